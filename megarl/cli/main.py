@@ -1,0 +1,47 @@
+"""The ``megarl`` command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from megarl import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megarl.cli import demo
+    from megarl.convert import cli as convert_cli
+
+    parser = argparse.ArgumentParser(
+        prog="megarl",
+        description="megarl: Megatron-based 3D-parallel RLHF. Run `megarl COMMAND --help` for details.",
+    )
+    parser.add_argument("--version", action="version", version=f"megarl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    convert_cli.add_parser(sub)
+    demo.add_parser(sub)
+    return parser
+
+
+def _exit_on_sigterm() -> None:
+    # SIGTERM (Slurm's scancel, kill) unwinds like Ctrl-C: rank processes are stopped and
+    # temporary outputs removed by the `finally`/`except` blocks on the way out.
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _exit_on_sigterm()
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("megarl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

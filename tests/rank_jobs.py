@@ -1,0 +1,171 @@
+"""Functions the tests run on every rank of a shared SpmdPool (imported by the ranks)."""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import ParallelConfig, PrecisionConfig
+from megarl.convert.hf_io import HFReader
+from megarl.convert.weights import load_hf_weights
+from megarl.distributed.parallel import megatron_parallel
+from megarl.models.forward import forward_outputs
+from megarl.models.gpt import ModelSpec, build_model_chunks
+from megarl.models.hf_arch import arch_from_hf_dir
+from megarl.models.train import OptimConfig, build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
+
+
+def _model(hf_dir: str, par: ParallelConfig, info):
+    spec = ModelSpec(arch_from_hf_dir(hf_dir), par, PrecisionConfig("float32"))
+    chunks = build_model_chunks(spec)
+    load_hf_weights(chunks, HFReader(hf_dir), spec, info)
+    return chunks
+
+
+def lm_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, steps: int = 2,
+                    lr: float = 1e-3, use_distributed_optimizer: bool = True,
+                    clip_grad: float = 1.0) -> dict[str, list[float]] | None:
+    """Global mean LM loss and grad norm of each of ``steps`` optimizer steps on one global batch.
+
+    The global batch is split over data-parallel ranks; each rank's loss is averaged over
+    the data-parallel group, so every layout reports the loss of the same global batch.
+    """
+    from megatron.core import parallel_state as ps
+
+    with megatron_parallel(parallel) as info:
+        raw = _model(hf_dir, parallel, info)
+        vocab = arch_from_hf_dir(hf_dir).vocab_size
+        chunks = wrap_ddp(raw, use_distributed_optimizer)
+        optimizer = build_optimizer(chunks, OptimConfig(lr=lr, clip_grad=clip_grad,
+                                                        use_distributed_optimizer=use_distributed_optimizer))
+        local = tokens.chunk(info.dp)[info.dp_rank]
+        batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
+                 "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
+        losses, grad_norms = [], []
+        for _ in range(steps):
+            result = train_step(chunks, optimizer, [batch], lm_loss_fn(vocab), logits_forward)
+            assert result["updated"], "the optimizer skipped its step"
+            grad_norms.append(float(result["grad_norm"]))
+            if ps.is_pipeline_last_stage():
+                loss = result["metrics"][0]["lm_loss"].reshape(1)
+                dist.all_reduce(loss, group=ps.get_data_parallel_group())
+                losses.append(loss.item() / info.dp)
+        if ps.is_pipeline_last_stage() and info.tp_rank == 0 and info.dp_rank == 0:
+            return {"loss": losses, "grad_norm": grad_norms}
+        return None
+
+
+# --- scenarios that need a CPU shim -------------------------------------------------------
+
+
+def _scenario_rng_tracker(dense: str, moe: str) -> None:
+    with megatron_parallel(ParallelConfig(tp=2, world_size=2)):
+        pass
+
+
+def _scenario_forward(hf_dir: str, par: ParallelConfig) -> None:
+    with megatron_parallel(par) as info:
+        chunks = _model(hf_dir, par, info)
+        forward_outputs(chunks, [torch.zeros(2, 8, dtype=torch.long)])
+
+
+def _scenario_cuda_device_redirect(dense: str, moe: str) -> None:
+    _scenario_forward(dense, ParallelConfig(tp=2, world_size=2))
+
+
+def _scenario_cuda_tensor_type(dense: str, moe: str) -> None:
+    tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    lm_train_losses(dense, ParallelConfig(tp=2, world_size=2), tokens, steps=1,
+                    use_distributed_optimizer=False)
+
+
+def _scenario_torch_norm_sequence_parallel(dense: str, moe: str) -> None:
+    _scenario_forward(dense, ParallelConfig(tp=2, sequence_parallel=True, world_size=2))
+
+
+def _scenario_cuda_streams(dense: str, moe: str) -> None:
+    _scenario_forward(moe, ParallelConfig(world_size=2))
+
+
+def _scenario_moe_te_names(dense: str, moe: str) -> None:
+    _scenario_forward(moe, ParallelConfig(world_size=2))
+
+
+def _scenario_moe_split_sizes(dense: str, moe: str) -> None:
+    _scenario_forward(moe, ParallelConfig(ep=2, world_size=2))
+
+
+def shim_check(name: str, dense: str, moe: str) -> dict[str, str | None]:
+    """Runs the scenario of shim ``name`` without it (expecting a failure), then with it."""
+    from megarl.platform import cpu_shims, init_megatron_runtime
+
+    init_megatron_runtime()
+    scenario = globals()[f"_scenario_{name}"]
+    without = None
+    with cpu_shims.disabled(name):
+        try:
+            scenario(dense, moe)
+        except Exception as e:
+            without = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            _reset_parallel_state()
+    scenario(dense, moe)
+    return {"without": without}
+
+
+def _reset_parallel_state() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+# --- GPU paths (Transformer Engine, BF16, FP8) --------------------------------------------
+
+
+def te_logits(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, dtype: str,
+              fp8: str | None = None) -> dict | None:
+    """Logits of the Transformer Engine spec model (GPU) loaded from HF weights."""
+    from megarl.models.forward import full_logits
+    from megarl.platform import current_platform
+
+    arch = arch_from_hf_dir(hf_dir)
+    spec = ModelSpec(arch, parallel, PrecisionConfig(dtype=dtype, fp8=fp8))
+    with megatron_parallel(parallel) as info:
+        chunks = build_model_chunks(spec)
+        load_hf_weights(chunks, HFReader(hf_dir), spec, info)
+        names = [name for name, _ in chunks[0].named_parameters()]
+        logits = full_logits(chunks, tokens.cuda())
+        if logits is None or info.tp_rank or info.dp_rank:
+            return None
+        return {"logits": logits[..., : arch.vocab_size], "layer_spec": current_platform().layer_spec_kind,
+                "param_names": names}
+
+
+def fp8_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, steps: int = 3) -> list | None:
+    """LM loss over a few steps of a BF16 model whose GEMMs run in FP8 (Transformer Engine)."""
+    from megatron.core import parallel_state as ps
+
+    arch = arch_from_hf_dir(hf_dir)
+    spec = ModelSpec(arch, parallel, PrecisionConfig(dtype="bfloat16", fp8="hybrid", fp8_recipe="delayed"))
+    with megatron_parallel(parallel) as info:
+        raw = build_model_chunks(spec)
+        load_hf_weights(raw, HFReader(hf_dir), spec, info)
+        chunks = wrap_ddp(raw)
+        optimizer = build_optimizer(chunks, OptimConfig(lr=1e-4))
+        local = tokens.chunk(info.dp)[info.dp_rank].cuda()
+        batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
+                 "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
+        losses = []
+        for _ in range(steps):
+            result = train_step(chunks, optimizer, [batch], lm_loss_fn(arch.vocab_size), logits_forward)
+            if ps.is_pipeline_last_stage():
+                losses.append(result["metrics"][0]["lm_loss"].item())
+        return losses if ps.is_pipeline_last_stage() and info.tp_rank == 0 and info.dp_rank == 0 else None
+
+
+def nccl_all_reduce() -> float:
+    t = torch.full((4,), float(dist.get_rank() + 1), device="cuda")
+    dist.all_reduce(t)
+    return t.sum().item()

@@ -1,0 +1,141 @@
+"""Megatron models built by megarl give transformers' logits (fp32), at every layout.
+
+Each tiny model is converted once to a megatron-core checkpoint at tp=2, pp=2 (the
+job `megarl convert hf-to-mcore` runs); the checkpoint is then loaded at each
+layout, which also checks megatron-core's resharding of what megarl wrote.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_logits, random_tokens
+
+from megarl.config.schema import ParallelConfig
+from megarl.convert import jobs
+
+TOL = 1e-3
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+DENSE = ["llama", "mistral", "qwen2"]
+
+
+def _single(results):
+    (out,) = [r["logits"] for r in results if r["logits"] is not None]
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(pools, tiny_models, tmp_path_factory):
+    pool = pools.get(4)
+    out = {}
+    for family in DENSE:
+        path = tmp_path_factory.mktemp("ckpt") / family
+        path.mkdir()
+        pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models[family]), out_dir=str(path),
+                 parallel=ParallelConfig(tp=2, pp=2, world_size=4), dtype="float32")
+        out[family] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    tokens = random_tokens(batch=2, seq=32)
+    return tokens, {family: hf_logits(tiny_models[family], tokens) for family in tiny_models}
+
+
+@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_checkpoint_logits_match_transformers(family, tp, pp, pools, checkpoints, references):
+    tokens, expected = references
+    results = pools.get(4).run(jobs.checkpoint_logits, ckpt_dir=str(checkpoints[family]),
+                               parallel=ParallelConfig(tp=tp, pp=pp, world_size=4), tokens=tokens)
+    logits = _single(results)
+    assert logits.shape == expected[family].shape
+    assert (logits - expected[family]).abs().max().item() <= TOL
+
+
+def test_interleaved_pipeline_logits(pools, checkpoints, references):
+    tokens, expected = references
+    # vpp=2 over pp=2: four model chunks of one layer each, two per rank.
+    results = pools.get(4).run(jobs.checkpoint_logits, ckpt_dir=str(checkpoints["llama"]),
+                               parallel=ParallelConfig(pp=2, vpp=2, world_size=4), tokens=tokens,
+                               num_microbatches=2)
+    assert (_single(results) - expected["llama"]).abs().max().item() <= TOL
+
+
+def test_sliding_window_matters(tiny_models, references):
+    """The Mistral fixture's window (8) is shorter than the sequence (32), so the check above
+    covers the window: full causal attention gives different logits."""
+    import transformers
+
+    tokens, expected = references
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["mistral"], dtype=torch.float32,
+                                                              sliding_window=None)
+    with torch.no_grad():
+        full = model(tokens).logits
+    assert (full - expected["mistral"]).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1)])
+def test_mixtral_moe_logits(tp, ep, pools, tiny_models, references, tmp_path_factory):
+    tokens, expected = references
+    pool = pools.get(4)
+    path = tmp_path_factory.mktemp("moe") / f"tp{tp}ep{ep}"
+    path.mkdir()
+    pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models["mixtral"]), out_dir=str(path),
+             parallel=ParallelConfig(tp=tp, ep=ep, world_size=4), dtype="float32")
+    # Load at a different expert layout than the one written.
+    other = ParallelConfig(tp=1, ep=2 if ep == 1 else 1, world_size=4)
+    for par in (ParallelConfig(tp=tp, ep=ep, world_size=4), other):
+        logits = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))
+        assert (logits - expected["mixtral"]).abs().max().item() <= TOL, par
+
+
+def test_value_head_matches_sequence_classifier(pools, tiny_reward_model, tmp_path_factory):
+    """A reward model (HF LlamaForSequenceClassification): per-token scores of the Megatron
+    value head equal transformers' score head on every position."""
+    import transformers
+
+    tokens = random_tokens(batch=2, seq=16)
+    model = transformers.LlamaForSequenceClassification.from_pretrained(tiny_reward_model,
+                                                                        dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.score(model.model(tokens).last_hidden_state)
+    path = tmp_path_factory.mktemp("rm") / "ckpt"
+    path.mkdir()
+    pool = pools.get(4)
+    pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_reward_model), out_dir=str(path),
+             parallel=ParallelConfig(tp=2, pp=2, world_size=4), dtype="float32", value_head=True)
+    for par in (ParallelConfig(tp=2, world_size=4), ParallelConfig(tp=2, sequence_parallel=True, world_size=4)):
+        values = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))
+        assert values.shape == (2, 16, 1)
+        assert (values - expected).abs().max().item() <= TOL, par
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoint(pools, smollm2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("smollm2") / "tp3"
+    path.mkdir()
+    pools.get(3).run(jobs.hf_to_mcore, hf_dir=str(smollm2), out_dir=str(path),
+                     parallel=ParallelConfig(tp=3, world_size=3), dtype="float32")
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_batches(smollm2):
+    from megarl.convert.parity import verification_tokens
+
+    # chat-formatted text through the model's own template, and one uniformly random batch
+    return [verification_tokens(str(smollm2), batch=2, seq=64),
+            random_tokens(batch=2, seq=48, vocab=49152, seed=0)]
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_real_weights(tp, pools, smollm2, smollm2_checkpoint, smollm2_batches):
+    """SmolLM2-135M-Instruct (9 heads, 3 query groups, tied embeddings) written at tp=3."""
+    for tokens in smollm2_batches:
+        expected = hf_logits(smollm2, tokens)
+        logits = _single(pools.get(3).run(jobs.checkpoint_logits, ckpt_dir=str(smollm2_checkpoint),
+                                          parallel=ParallelConfig(tp=tp, world_size=3), tokens=tokens))
+        assert (logits - expected).abs().max().item() <= TOL
+        assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.99
