@@ -15,7 +15,7 @@ EXPECTED = {
     "rng_tracker": ("AssertionError", "Torch not compiled with CUDA enabled",
                     "megatron/core/tensor_parallel/random.py"),
     "cuda_device_redirect": ("AssertionError", "Torch not compiled with CUDA enabled",
-                             "megatron/core/pipeline_parallel/schedules.py"),
+                             "megatron/core/tensor_parallel/layers.py"),
     "cuda_tensor_type": ("AssertionError", "", "megatron/core/optimizer/clip_grads.py"),
     "torch_norm_sequence_parallel": ("AssertionError", "sequence parallel not supported",
                                      "megatron/core/transformer/torch_norm.py"),

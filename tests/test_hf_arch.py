@@ -466,7 +466,7 @@ def test_sharded_checkpoint_with_index(tmp_path):
 def test_index_naming_a_missing_file(tmp_path):
     weight_map = {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    reader = HFReader(tmp_path)
+    # refused when the checkpoint is opened, before any tensor is asked for
     with pytest.raises(ArchError, match=r"model-00001-of-00001\.safetensors is listed in the checkpoint "
                                         r"index but does not exist"):
-        reader.shape("model.embed_tokens.weight")
+        HFReader(tmp_path)

@@ -110,12 +110,14 @@ def _human(n: float) -> str:
 
 
 def _report(what: str, stats: list[dict], started: float, moved_key: str | None, weights_bytes: int) -> None:
-    peak = max(s["peak_rss"] for s in stats)
-    moved = sum(s.get(moved_key, 0) for s in stats) if moved_key else None
-    line = f"{what}: {time.time() - started:.1f} s on {len(stats)} rank(s); peak memory per rank {_human(peak)}"
-    if moved is not None:
-        line += f"; {_human(moved)} of weights converted (model: {_human(weights_bytes)})"
-    print(line, flush=True)
+    worst = max(stats, key=lambda s: s["peak_above_baseline"])
+    print(f"{what}: {time.time() - started:.1f} s on {len(stats)} rank(s)", flush=True)
+    if moved_key:
+        moved = sum(s.get(moved_key, 0) for s in stats)
+        print(f"  {_human(moved)} of weights converted (model: {_human(weights_bytes)})")
+    print(f"  peak memory per rank {_human(max(s['peak_rss'] for s in stats))}; the most any rank added "
+          f"to its start-up footprint: {_human(worst['peak_above_baseline'])} for "
+          f"{_human(worst['weights_bytes'])} of its own weights (rank {worst['rank']})", flush=True)
 
 
 def _arch_bytes(arch: ModelArch, dtype: str) -> int:

@@ -1,18 +1,23 @@
 """Reading and writing Hugging Face safetensors checkpoints.
 
-The reader opens every shard lazily and reads only the slices asked for, so a
-rank converting its own shard reads only its own bytes. Only safetensors are
-read: pickled ``.bin`` checkpoints are refused rather than unpickled.
+The reader parses the safetensors header itself and reads only the rows (or row
+segments) a shard needs, with plain file reads straight into the destination
+tensor: a rank converting its shard reads only its own bytes, and no second copy
+of the weights (not even memory-mapped pages) is held while loading. Only
+safetensors are read: pickled ``.bin`` checkpoints are refused rather than
+unpickled.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.convert.mapping import IGNORED_HF_TENSORS, Recipe
@@ -33,8 +38,82 @@ _DTYPES = {
 }
 
 
+class _SafetensorsFile:
+    """One .safetensors file: its header, and positioned reads of tensor regions."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ArchError(f"{path} is not a readable safetensors file: too short")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > size - 8:
+                raise ArchError(f"{path} is not a readable safetensors file: header runs past the end")
+            try:
+                header = json.loads(f.read(header_len))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ArchError(f"{path} is not a readable safetensors file: bad header ({e})") from e
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_len
+        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+        for name, entry in header.items():
+            if entry.get("dtype") not in _DTYPES:
+                raise ArchError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+            dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
+            begin, stop = entry["data_offsets"]
+            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            if stop - begin != nbytes or self.data_start + stop > size:
+                raise ArchError(f"{path} is not a readable safetensors file: tensor {name} does not fit "
+                                f"the file (truncated or corrupt)")
+            self.tensors[name] = (dtype, shape, self.data_start + begin)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> int:
+        """Reads ``tensor[name]`` sliced to ``[start, stop)`` along ``dim`` into ``out``; returns bytes."""
+        dtype, shape, offset = self.tensors[name]
+        if out.dtype != dtype or out.device.type != "cpu" or not _rows_contiguous(out, dim):
+            staging = torch.empty(out.shape, dtype=dtype)
+            moved = self.read_into(name, dim, start, stop, staging)
+            out.copy_(staging)
+            return moved
+        item = out.element_size()
+        if dim == 0:  # one run of bytes
+            row = math.prod(shape[1:]) * item
+            _pread_into(self._fd, offset + start * row, out, (stop - start) * row)
+            return (stop - start) * row
+        # dim 1 of a 2-D tensor: one run per row
+        segment = (stop - start) * item
+        for r in range(shape[0]):
+            _pread_into(self._fd, offset + (r * shape[1] + start) * item, out[r], segment)
+        return shape[0] * segment
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _rows_contiguous(out: torch.Tensor, dim: int) -> bool:
+    # dim 0: the whole slice is one run of bytes; dim 1 of a 2-D tensor: each row is.
+    if dim == 0:
+        return out.is_contiguous()
+    if dim != 1 or out.dim() != 2:
+        raise ValueError(f"slicing along dim {dim} of a {out.dim()}-D tensor is not supported")
+    return out.stride(1) == 1
+
+
+def _pread_into(fd: int, position: int, target: torch.Tensor, nbytes: int) -> None:
+    view = memoryview(target.view(torch.uint8).numpy()).cast("B") if target.numel() else memoryview(b"")
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [view[done:]], position + done)
+        if n <= 0:
+            raise ArchError(f"unexpected end of file reading {nbytes} bytes at offset {position}")
+        done += n
+
+
 class HFReader:
-    """Lazy, slice-wise access to the tensors of an HF safetensors checkpoint."""
+    """Slice-wise access to the tensors of an HF safetensors checkpoint."""
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
@@ -48,61 +127,73 @@ class HFReader:
             extra = (f" (found {', '.join(pickled)}: pickled checkpoints are not read; re-save them "
                      "with save_pretrained(safe_serialization=True))") if pickled else ""
             raise ArchError(f"{self.dir}: no model.safetensors or model.safetensors.index.json{extra}")
-        self._files: dict[str, object] = {}
-        self._where: dict[str, str] = {}
+        self._files: dict[str, _SafetensorsFile] = {}
         if weight_map is None:
-            self._open("model.safetensors")
-            for name in self._files["model.safetensors"].keys():
-                self._where[name] = "model.safetensors"
+            self._where = {name: "model.safetensors" for name in self._open("model.safetensors").tensors}
         else:
             self._where = dict(weight_map)
+            for file in sorted(set(weight_map.values())):
+                self._open(file)
         self.bytes_read = 0
 
-    def _open(self, file: str):
+    def _open(self, file: str) -> _SafetensorsFile:
         if file not in self._files:
             path = self.dir / file
             if not path.is_file():
                 raise ArchError(f"{path} is listed in the checkpoint index but does not exist")
-            try:
-                self._files[file] = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error type for corrupt files
-                raise ArchError(f"{path} is not a readable safetensors file: {e}") from e
+            self._files[file] = _SafetensorsFile(path)
         return self._files[file]
 
     def names(self) -> list[str]:
         return [n for n in self._where if not IGNORED_HF_TENSORS.match(n)]
 
-    def _slice(self, name: str):
+    def _entry(self, name: str) -> tuple[_SafetensorsFile, torch.dtype, tuple[int, ...]]:
         if name not in self._where:
             raise ArchError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        return self._open(self._where[name]).get_slice(name)
+        file = self._open(self._where[name])
+        if name not in file.tensors:
+            raise ArchError(f"{file.path}: tensor {name!r} listed in the index is not in the file")
+        dtype, shape, _ = file.tensors[name]
+        return file, dtype, shape
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._entry(name)[2]
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._slice(name).get_dtype()]
+        return self._entry(name)[1]
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        sl = self._slice(name)
-        shape = sl.get_shape()
-        index = [slice(None)] * len(shape)
-        index[dim] = slice(start, stop)
-        tensor = sl[tuple(index)]
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+        file, dtype, shape = self._entry(name)
+        start = 0 if start is None else start
+        stop = shape[dim] if stop is None else stop
+        out_shape = list(shape)
+        out_shape[dim] = stop - start
+        out = torch.empty(out_shape, dtype=dtype)
+        self.bytes_read += file.read_into(name, dim, start, stop, out)
+        return out
+
+    def read_shard_into(self, rec: Recipe, out: torch.Tensor) -> None:
+        """Fills ``out`` (shaped like the shard) with the pieces of ``rec``, read in place."""
+        offset = 0
+        for piece in rec.pieces:
+            target = out.narrow(rec.dim, offset, piece.length)
+            offset += piece.length
+            if piece.hf is None:
+                target.zero_()
+                continue
+            file, _, _ = self._entry(piece.hf)
+            self.bytes_read += file.read_into(piece.hf, rec.dim, piece.start, piece.stop, target)
 
     def read_shard(self, rec: Recipe, dtype: torch.dtype) -> torch.Tensor:
-        """Assembles the shard described by ``rec``, reading only its pieces."""
-        parts = []
-        for piece in rec.pieces:
-            if piece.hf is None:
-                shape = list(rec.shape)
-                shape[rec.dim] = piece.length
-                parts.append(torch.zeros(shape, dtype=dtype))
-            else:
-                parts.append(self.read(piece.hf, rec.dim, piece.start, piece.stop).to(dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=rec.dim)
+        """The shard described by ``rec`` as a new tensor."""
+        out = torch.empty(rec.shape, dtype=dtype)
+        self.read_shard_into(rec, out)
+        return out
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files = {}
 
 
 def check_hf_checkpoint(reader: HFReader, expected: dict[str, tuple[int, ...]]) -> None:

@@ -6,7 +6,6 @@ arguments. Each returns a small dict of statistics (bytes moved, peak memory).
 
 from __future__ import annotations
 
-import resource
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,24 @@ from megarl.distributed.parallel import megatron_parallel
 from megarl.models.forward import forward_outputs, full_logits
 from megarl.models.gpt import TORCH_DTYPES, ModelSpec, build_model_chunks
 from megarl.models.hf_arch import arch_from_hf_dir
+from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+class _Memory:
+    """Peak memory of this job on this rank, above what the process held when it started."""
+
+    def __init__(self) -> None:
+        reset_peak_rss()
+        self.baseline = current_rss()
+
+    def stats(self, weights_bytes: int = 0, **extra: Any) -> dict[str, Any]:
+        peak = peak_rss()
+        return {"rank": dist.get_rank(), "peak_rss": peak, "baseline_rss": self.baseline,
+                "peak_above_baseline": peak - self.baseline, "weights_bytes": weights_bytes, **extra}
 
 
-def _stats(**extra: Any) -> dict[str, Any]:
-    return {"rank": dist.get_rank(), "peak_rss": peak_rss_bytes(), **extra}
+def _weights_bytes(chunks: list) -> int:
+    return sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
 
 
 def spec_from_checkpoint(ckpt_dir: str, parallel: ParallelConfig, dtype: str | None = None) -> ModelSpec:
@@ -46,6 +55,7 @@ def spec_from_checkpoint(ckpt_dir: str, parallel: ParallelConfig, dtype: str | N
 
 def hf_to_mcore(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str,
                 vocab_pad_multiple: int = 128, value_head: bool = False) -> dict[str, Any]:
+    memory = _Memory()
     arch = arch_from_hf_dir(hf_dir)
     spec = ModelSpec(arch, parallel, PrecisionConfig(dtype=dtype), vocab_pad_multiple, value_head)
     with megatron_parallel(parallel) as info:
@@ -59,11 +69,13 @@ def hf_to_mcore(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str,
             copy_side_files(hf_dir, hf_side)
             write_meta(out_dir, arch, spec.padded_vocab, dtype, parallel, value_head, source=str(hf_dir))
         dist.barrier()
-    return _stats(bytes_read=reader.bytes_read, params_loaded=loaded)
+        weights = _weights_bytes(chunks)
+    return memory.stats(weights, bytes_read=reader.bytes_read, params_loaded=loaded)
 
 
 def mcore_to_hf(ckpt_dir: str, out_dir: str, parallel: ParallelConfig,
                 dtype: str | None = None, max_shard_bytes: int = 5 * 1024**3) -> dict[str, Any]:
+    memory = _Memory()
     spec = spec_from_checkpoint(ckpt_dir, parallel)
     out_dtype = TORCH_DTYPES[dtype or spec.precision.dtype]
     with megatron_parallel(parallel) as info:
@@ -76,7 +88,8 @@ def mcore_to_hf(ckpt_dir: str, out_dir: str, parallel: ParallelConfig,
             copy_side_files(Path(ckpt_dir) / "hf", out_dir)
             _set_config_dtype(Path(out_dir) / "config.json", dtype or spec.precision.dtype)
         dist.barrier()
-    return _stats(bytes_written=writer.bytes_written if writer else 0)
+        weights = _weights_bytes(chunks)
+    return memory.stats(weights, bytes_written=writer.bytes_written if writer else 0)
 
 
 def _set_config_dtype(config_path: Path, dtype: str) -> None:
@@ -92,6 +105,7 @@ def _set_config_dtype(config_path: Path, dtype: str) -> None:
 
 
 def reshard(ckpt_dir: str, out_dir: str, parallel: ParallelConfig) -> dict[str, Any]:
+    memory = _Memory()
     meta = read_meta(ckpt_dir)
     spec = spec_from_checkpoint(ckpt_dir, parallel)
     with megatron_parallel(parallel):
@@ -105,7 +119,8 @@ def reshard(ckpt_dir: str, out_dir: str, parallel: ParallelConfig) -> dict[str, 
             write_meta(out_dir, spec.arch, spec.padded_vocab, spec.precision.dtype, parallel,
                        spec.value_head, source=meta.get("source", str(ckpt_dir)))
         dist.barrier()
-    return _stats()
+        weights = _weights_bytes(chunks)
+    return memory.stats(weights)
 
 
 def _outputs(chunks: list, spec: ModelSpec, tokens: torch.Tensor, num_microbatches: int) -> torch.Tensor | None:
@@ -129,7 +144,7 @@ def checkpoint_logits(ckpt_dir: str, parallel: ParallelConfig, tokens: torch.Ten
     with megatron_parallel(parallel) as info:
         chunks = build_model_chunks(spec)
         load_model(chunks, ckpt_dir)
-        return _stats(logits=_on_reporting_rank(info, _outputs(chunks, spec, tokens, num_microbatches)))
+        return {"logits": _on_reporting_rank(info, _outputs(chunks, spec, tokens, num_microbatches))}
 
 
 def hf_logits(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor,
@@ -140,4 +155,4 @@ def hf_logits(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor,
     with megatron_parallel(parallel) as info:
         chunks = build_model_chunks(spec)
         load_hf_weights(chunks, HFReader(hf_dir), spec, info)
-        return _stats(logits=_on_reporting_rank(info, _outputs(chunks, spec, tokens, num_microbatches)))
+        return {"logits": _on_reporting_rank(info, _outputs(chunks, spec, tokens, num_microbatches))}

@@ -44,7 +44,7 @@ def load_hf_weights(chunks: list, reader: HFReader, spec: ModelSpec, info: RankI
             raise ValueError(f"parameter {name}: megatron shard shape {list(param.shape)} != "
                              f"{list(rec.shape)} expected from the HF config (tp_rank {info.tp_rank})")
         with torch.no_grad():
-            param.copy_(reader.read_shard(rec, param.dtype))
+            reader.read_shard_into(rec, param.data)
         count += 1
     return count
 

@@ -101,7 +101,10 @@ def transformer_config(spec: ModelSpec):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        use_cpu_initialization=not platform.is_gpu,
+        # Each rank initialises only its own shards (megatron-core's "GPU" path, which the
+        # platform routes to the CPU there). The CPU path would first build every full
+        # master weight on every rank: ~1.6x the model in transient memory.
+        use_cpu_initialization=False,
         # Always on, even when a checkpoint overwrites every weight: megatron-core sets the
         # tensor-parallel attributes of each weight inside its init functions, and without
         # them grad norms (and anything else keyed on them) count TP shards as duplicates.

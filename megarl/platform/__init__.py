@@ -27,6 +27,7 @@ for _message in (
     # megatron-core 0.16's dist_checkpointing still uses these torch APIs
     r"`load_state_dict` is deprecated and will be removed",
     r"Please use DTensor instead and we are deprecating ShardedTensor",
+    r"full scope is deprecated",  # megatron-core's own default cuda_graph_scope
 ):
     warnings.filterwarnings("ignore", message=_message)
 

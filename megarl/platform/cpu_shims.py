@@ -9,6 +9,7 @@ only when CUDA is absent (see ``megarl.platform.init_megatron_runtime``).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,15 @@ class Shim:
 
 _ACTIVE: dict[str, Callable[[], None]] = {}
 _SUPPRESSED: set[str] = set()  # turned off by ``disabled`` until it exits
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
 
 
 # --- rng_tracker -------------------------------------------------------------------------
@@ -68,6 +78,10 @@ def _apply_rng_tracker() -> Callable[[], None]:
         torch.manual_seed(seed)
         return original_seed(seed, *args, **kwargs)
 
+    # megatron's tracker warns when the CPU generator changes inside a fork of the CUDA one;
+    # here the CPU generator *is* the tracked one, so the warning would fire on every init.
+    quiet = _DropMessage("CPU RNG state changed within GPU RNG context")
+    logging.getLogger(mrandom.__name__).addFilter(quiet)
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
     mrandom.CudaRNGStatesTracker.add = add
@@ -75,6 +89,7 @@ def _apply_rng_tracker() -> Callable[[], None]:
     tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
 
     def undo() -> None:
+        logging.getLogger(mrandom.__name__).removeFilter(quiet)
         (
             mrandom._get_cuda_rng_state,
             mrandom._set_cuda_rng_state,
@@ -335,9 +350,9 @@ SHIMS: dict[str, Shim] = {
         ),
         Shim(
             "cuda_device_redirect",
-            "hard-coded device='cuda' / torch.cuda.current_device(), e.g. "
-            "pipeline_parallel/schedules.py forward_backward_no_pipelining "
-            "torch.zeros([], device='cuda'): 'Torch not compiled with CUDA enabled'",
+            "hard-coded device='cuda' / torch.cuda.current_device(): parameter allocation in "
+            "tensor_parallel/layers.py (per-shard init), pipeline_parallel/schedules.py "
+            "torch.zeros([], device='cuda'), optimizer buffers: 'Torch not compiled with CUDA enabled'",
             _apply_cuda_device_redirect,
         ),
         Shim(

@@ -1,0 +1,35 @@
+"""Process memory as the kernel counts it: current and peak resident set size."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def current_rss() -> int:
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else peak_rss()
+
+
+def peak_rss() -> int:
+    kib = _status_kib("VmHWM")
+    return kib * 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restarts the peak (high-water mark) from the current RSS; False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: reset VmHWM
+        return True
+    except OSError:
+        return False
