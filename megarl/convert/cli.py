@@ -137,12 +137,21 @@ def _resolve_hf(args: argparse.Namespace) -> None:
     args.hf = str(resolve_model_path(args.hf))
 
 
+def _write_with_ranks(args: argparse.Namespace, par: ParallelConfig, job, **kwargs) -> tuple[list[dict], float]:
+    """Runs ``job`` on fresh ranks, writing into a temporary sibling of --out renamed on success."""
+    from megarl.utils.atomic import atomic_dir
+
+    started = time.time()
+    with atomic_dir(args.out, overwrite=args.overwrite) as tmp, _pool(par.world_size) as pool:
+        stats = pool.run(job, out_dir=str(tmp), parallel=par, **kwargs)
+    return stats, started
+
+
 def cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     from megarl.convert import jobs
     from megarl.convert.hf_io import HFReader, check_hf_checkpoint
     from megarl.convert.mapping import hf_tensor_shapes
     from megarl.models.hf_arch import arch_from_hf_dir
-    from megarl.utils.atomic import atomic_dir
 
     _resolve_hf(args)
     arch = arch_from_hf_dir(args.hf)
@@ -152,11 +161,8 @@ def cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     if args.vocab_pad_multiple < 1:
         raise ConfigError(f"--vocab-pad-multiple={args.vocab_pad_multiple} must be >= 1")
     dtype = args.dtype or (arch.dtype if arch.dtype in DTYPES else "float32")
-    started = time.time()
-    with atomic_dir(args.out, overwrite=args.overwrite) as tmp, _pool(par.world_size) as pool:
-        stats = pool.run(jobs.hf_to_mcore, hf_dir=str(args.hf), out_dir=str(tmp), parallel=par,
-                         dtype=dtype, vocab_pad_multiple=args.vocab_pad_multiple,
-                         value_head=args.value_head)
+    stats, started = _write_with_ranks(args, par, jobs.hf_to_mcore, hf_dir=str(args.hf), dtype=dtype,
+                                       vocab_pad_multiple=args.vocab_pad_multiple, value_head=args.value_head)
     _report(f"wrote {args.out} (tp={par.tp}, pp={par.pp}, {dtype})", stats, started, "bytes_read",
             _arch_bytes(arch, dtype))
     return 0
@@ -169,17 +175,19 @@ def _checkpoint_arch(ckpt: str) -> tuple[ModelArch, dict]:
     return ModelArch.from_dict(meta["arch"]), meta
 
 
-def cmd_mcore_to_hf(args: argparse.Namespace) -> int:
-    from megarl.convert import jobs
-    from megarl.utils.atomic import atomic_dir
-
+def _checkpoint_and_layout(args: argparse.Namespace) -> tuple[ModelArch, dict, ParallelConfig]:
     arch, meta = _checkpoint_arch(args.ckpt)
     par = _parallel(args)
     _check_layout(arch, par, meta["padded_vocab"])
-    started = time.time()
-    with atomic_dir(args.out, overwrite=args.overwrite) as tmp, _pool(par.world_size) as pool:
-        stats = pool.run(jobs.mcore_to_hf, ckpt_dir=str(args.ckpt), out_dir=str(tmp), parallel=par,
-                         dtype=args.dtype, max_shard_bytes=int(args.max_shard_size * 1024**3))
+    return arch, meta, par
+
+
+def cmd_mcore_to_hf(args: argparse.Namespace) -> int:
+    from megarl.convert import jobs
+
+    arch, meta, par = _checkpoint_and_layout(args)
+    stats, started = _write_with_ranks(args, par, jobs.mcore_to_hf, ckpt_dir=str(args.ckpt), dtype=args.dtype,
+                                       max_shard_bytes=int(args.max_shard_size * 1024**3))
     _report(f"wrote HF folder {args.out}", stats, started, "bytes_written",
             _arch_bytes(arch, args.dtype or meta["dtype"]))
     return 0
@@ -187,14 +195,9 @@ def cmd_mcore_to_hf(args: argparse.Namespace) -> int:
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     from megarl.convert import jobs
-    from megarl.utils.atomic import atomic_dir
 
-    arch, meta = _checkpoint_arch(args.ckpt)
-    par = _parallel(args)
-    _check_layout(arch, par, meta["padded_vocab"])
-    started = time.time()
-    with atomic_dir(args.out, overwrite=args.overwrite) as tmp, _pool(par.world_size) as pool:
-        stats = pool.run(jobs.reshard, ckpt_dir=str(args.ckpt), out_dir=str(tmp), parallel=par)
+    _, _, par = _checkpoint_and_layout(args)
+    stats, started = _write_with_ranks(args, par, jobs.reshard, ckpt_dir=str(args.ckpt))
     _report(f"wrote {args.out} (tp={par.tp}, pp={par.pp})", stats, started, None, 0)
     return 0
 
