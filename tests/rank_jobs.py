@@ -169,3 +169,26 @@ def nccl_all_reduce() -> float:
     t = torch.full((4,), float(dist.get_rank() + 1), device="cuda")
     dist.all_reduce(t)
     return t.sum().item()
+
+
+# --- a faulty transport, simulated inside the actor's processes ---------------------------
+
+
+def corrupt_in_flight(param: str) -> None:
+    """From now on this rank sends a perturbed copy of ``param`` (its own weights stay intact)."""
+    from megarl.reshard import actor_fns, source
+    from megarl.reshard.transport import run_fragment
+
+    def faulty_send(group, fragment, chunks, spec, info):
+        tensors = source.source_tensors(chunks, spec, info)
+        if param in tensors:
+            tensors[param] = tensors[param] * 1.5 + 0.1
+        return run_fragment(group, fragment, tensors.__getitem__)
+
+    actor_fns.send_fragment = faulty_send
+
+
+def restore_send() -> None:
+    from megarl.reshard import actor_fns, source
+
+    actor_fns.send_fragment = source.send_fragment

@@ -24,7 +24,8 @@ def shard_layout(spec: ModelSpec, info: RankInfo) -> ShardLayout:
 
 def canonical_parameters(chunks: list, spec: ModelSpec, info: RankInfo) -> Iterator[tuple[str, torch.nn.Parameter]]:
     experts_per_rank = (spec.arch.num_experts or 1) // info.ep
-    for chunk in chunks:
+    for wrapped in chunks:
+        chunk = getattr(wrapped, "module", wrapped)  # megatron DDP wraps the GPTModel
         layers = chunk.decoder.layers
         for name, param in chunk.named_parameters():
             global_layer = None

@@ -29,5 +29,6 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
     """log p(labels) [...] from TP-local logits [..., vocab/tp], differentiable."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    masked = mask_padded_vocab(logits.float(), vocab_size)
-    return -vocab_parallel_cross_entropy(masked, labels)
+    # megatron's kernel views its input flat: callers' slices (logits[:, :-1]) must be copied
+    masked = mask_padded_vocab(logits.float(), vocab_size).contiguous()
+    return -vocab_parallel_cross_entropy(masked, labels.contiguous())

@@ -1,0 +1,101 @@
+"""Rank functions of the actor's side of a weight sync (run through its WorkerGroup)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.reshard.group import free_port, node_ip, open_sync_group
+from megarl.reshard.plan import meta_fingerprint
+from megarl.reshard.source import expected_checksums, send_fragment, source_meta
+from megarl.workers.megatron_model import held
+from megarl.workers.state import state
+
+_KEY = "weight_sync"
+
+
+def meta(key: str) -> dict | None:
+    model = held(key)
+    return source_meta(model.chunks, model.spec, model.info)
+
+
+def address() -> tuple[str, int]:
+    """Where this rank will host the sync group's store."""
+    return node_ip(), free_port()
+
+
+def join(host: str, port: int, rank_map: dict[int, int], world_size: int, backend: str,
+         timeout_s: float = 120.0) -> int | None:
+    sync_rank = rank_map.get(dist.get_rank())
+    leave()
+    if sync_rank is not None:
+        state[_KEY] = {"group": open_sync_group(host, port, sync_rank, world_size, backend, timeout_s), "plans": {}}
+    return sync_rank
+
+
+def install(fragments: dict[int, dict]) -> None:
+    sync = state.get(_KEY)
+    if sync is not None:
+        fragment = fragments[sync["group"].rank]
+        sync["plans"][fragment["plan_id"]] = fragment
+
+
+def _fragment(key: str, plan_id: str) -> dict:
+    fragment = state[_KEY]["plans"].get(plan_id)
+    if fragment is None:
+        raise RuntimeError(f"weight-sync plan {plan_id} is not installed on this rank")
+    current = meta(key)
+    if current is None or meta_fingerprint(current["params"]) != fragment["fingerprint"]:
+        raise RuntimeError("stale weight-sync plan: this rank's parameters or layout changed since the plan "
+                           "was made; build a new plan (WeightSync.setup)")
+    return fragment
+
+
+def check(key: str, plan_id: str) -> str | None:
+    """Why the installed plan no longer fits this rank, or None (a stale plan is not a rank failure)."""
+    try:
+        if _KEY in state:
+            _fragment(key, plan_id)
+        elif meta(key) is not None:
+            return ("stale weight-sync plan: this rank now sources weights but is not in the plan; "
+                    "build a new plan (WeightSync.setup)")
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def send(key: str, plan_id: str) -> dict | None:
+    if _KEY not in state:
+        return None
+    model = held(key)
+    stats = send_fragment(state[_KEY]["group"], _fragment(key, plan_id), model.chunks, model.spec, model.info)
+    return {"rank": state[_KEY]["group"].rank, "bytes_sent": stats.bytes_sent, "seconds": stats.seconds,
+            "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages}
+
+
+def checksums(key: str, plan_id: str) -> dict[tuple[int, str], float] | None:
+    if _KEY not in state:
+        return None
+    model = held(key)
+    return expected_checksums(_fragment(key, plan_id), model.chunks, model.spec, model.info)
+
+
+def send_raw(pairs: dict[int, list[tuple[int, int]]]) -> float | None:
+    """Sends plain buffers of the given sizes to each destination: the raw-transfer reference."""
+    import time
+
+    if _KEY not in state:
+        return None
+    group = state[_KEY]["group"]
+    buffers = [(dst, torch.empty(nbytes, dtype=torch.uint8)) for dst, nbytes in pairs.get(group.rank, [])]
+    started = time.perf_counter()
+    works = [group.send([buffer], dst, 0) for dst, buffer in buffers]
+    for work in works:
+        work.wait()
+    return time.perf_counter() - started
+
+
+def leave() -> None:
+    sync = state.pop(_KEY, None)
+    if sync is not None:
+        sync["group"].close()

@@ -1,0 +1,62 @@
+"""The Megatron side of a weight sync: which shards a rank sources, and sending them.
+
+Only data-parallel rank 0 of each (tp, pp[, ep]) coordinate sources weights (the
+other replicas hold the same values), and the tied output layer of the last
+pipeline stage is left to the embedding it copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.convert.weights import canonical_parameters, shard_layout
+from megarl.distributed.parallel import RankInfo
+from megarl.models.gpt import ModelSpec
+from megarl.reshard.checksum import region_checksum
+from megarl.reshard.plan import ParamInfo
+from megarl.reshard.transport import TransferStats, run_fragment
+
+
+def source_tensors(chunks: list, spec: ModelSpec, info: RankInfo) -> dict[str, torch.Tensor]:
+    """Canonical name → tensor of every shard this rank sources (empty for replicas)."""
+    out = {}
+    for name, param in canonical_parameters(chunks, spec, info):
+        replica = info.edp_rank if ".local_experts." in name else info.dp_rank
+        if replica != 0:
+            continue
+        if name == "output_layer.weight" and spec.arch.tie_embeddings and not spec.value_head:
+            continue
+        out[name] = param.data
+    return out
+
+
+def source_meta(chunks: list, spec: ModelSpec, info: RankInfo) -> dict | None:
+    """What the planner needs from this rank, or None if it sources nothing."""
+    tensors = source_tensors(chunks, spec, info)
+    if not tensors:
+        return None
+    return {
+        "layout": shard_layout(spec, info),
+        "params": {name: ParamInfo(tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in tensors.items()},
+    }
+
+
+def send_fragment(group, fragment: dict, chunks: list, spec: ModelSpec, info: RankInfo) -> TransferStats:
+    tensors = source_tensors(chunks, spec, info)
+    return run_fragment(group, fragment, tensors.__getitem__)
+
+
+def expected_checksums(fragment: dict, chunks: list, spec: ModelSpec, info: RankInfo
+                       ) -> dict[tuple[int, str], float]:
+    """Checksums of what this rank sends, placed where each destination puts it."""
+    tensors = source_tensors(chunks, spec, info)
+    sums: dict[tuple[int, str], float] = {}
+    for bucket in fragment["buckets"]:
+        for message in bucket["send"]:
+            for (name, dim, offset, length), (dst_name, dst_offset) in zip(
+                    message["items"], message["destinations"], strict=True):
+                values = tensors[name].narrow(dim, offset, length)
+                shape = fragment["peer_shapes"][str(message["peer"])][dst_name]
+                key = (message["peer"], dst_name)
+                sums[key] = sums.get(key, 0.0) + region_checksum(values, tuple(shape), dim, dst_offset)
+    return sums

@@ -1,0 +1,215 @@
+"""The weight converter, driver side: plan once, sync after every update, verify.
+
+``WeightSync`` ties an actor WorkerGroup (Megatron ranks holding a model under a
+state key) to rollout engines (Ray actors wrapping ``VLLMEngine``). ``setup``
+gathers both sides' shard metadata and builds the plan: an engine whose model
+does not match the actor is refused there, before any byte moves. ``sync``
+moves each rollout rank exactly its shard. ``verify`` scores a fixed batch with
+vLLM's own prompt log-probabilities and with the actor, and names the first
+parameter whose received shard differs from what was sent.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megarl.platform import current_platform
+from megarl.reshard import actor_fns
+from megarl.reshard.plan import DestRank, ParamInfo, PlanError, SourceRank, SyncPlan, build_plan
+from megarl.workers import megatron_model
+
+
+class StalePlanError(PlanError):
+    """The plan no longer fits one side (its shapes or layout changed): run setup() again."""
+
+
+class WeightSyncMismatch(RuntimeError):
+    """vLLM's log-probabilities after a sync differ from the actor's beyond tolerance."""
+
+
+@dataclass
+class SyncReport:
+    seconds: float
+    received: dict[int, int]  # sync-group rank of each rollout worker -> bytes received
+    needed: dict[int, int]  # -> bytes of its shard (padding excluded): the physical minimum
+    peak_staging_bytes: int  # largest staging buffer total on any rank in any bucket
+    bucket_bytes: int
+    worker_stats: list[dict] = field(default_factory=list)
+    checksum_mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_ratio(self) -> float:
+        return max(self.received[r] / self.needed[r] for r in self.needed)
+
+
+@dataclass
+class VerifyReport:
+    max_abs_logprob_diff: float
+    token_mult_prob_error: float  # mean exp(|dlogprob|), NeMo-RL's name
+    tokens: int
+
+
+class WeightSync:
+    def __init__(self, actor, model_key: str, engines: list, bucket_bytes: int = 256 * 2**20,
+                 backend: str | None = None, timeout_s: float = 120.0):
+        self.actor = actor
+        self.model_key = model_key
+        self.engines = engines
+        self.bucket_bytes = bucket_bytes
+        self.backend = backend or current_platform().backend
+        self.timeout_s = timeout_s
+        self.plan: SyncPlan | None = None
+        self._sources: list[SourceRank] = []
+        self._dests: list[list[DestRank]] = []
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def setup(self) -> SyncPlan:
+        import ray
+
+        metas = self.actor.run(actor_fns.meta, key=self.model_key)
+        arch = self.actor.run_on([0], _arch, key=self.model_key)[0]
+        rank_map: dict[int, int] = {}
+        self._sources = []
+        for global_rank, meta in enumerate(metas):
+            if meta is not None:
+                rank_map[global_rank] = len(self._sources)
+                self._sources.append(SourceRank(len(self._sources), meta["layout"], meta["params"]))
+        first = len(self._sources)
+        self._dests = []
+        for engine_meta in ray.get([e.param_meta.remote() for e in self.engines]):
+            workers = []
+            for worker in engine_meta:
+                params = {n: ParamInfo(tuple(shape), dtype) for n, (shape, dtype) in worker["params"].items()}
+                workers.append(DestRank(first + worker["tp_rank"], worker["tp_rank"], worker["tp"], params))
+            self._dests.append(workers)
+            first += len(workers)
+        # Refuses a mismatched engine (PlanError) before any group is formed or byte moved.
+        self.plan = build_plan(arch, self._sources, [d for ws in self._dests for d in ws], self.bucket_bytes)
+        world = first
+        host_rank = next(g for g, s in rank_map.items() if s == 0)
+        host, port = self.actor.run_on([host_rank], actor_fns.address)[0]
+        pending = self.actor.submit(actor_fns.join, host=host, port=port, rank_map=rank_map, world_size=world,
+                                    backend=self.backend, timeout_s=self.timeout_s)
+        joins = [e.join_sync_group.remote(host, port, ws[0].rank, world, self.backend, self.timeout_s)
+                 for e, ws in zip(self.engines, self._dests, strict=True)]
+        ray.get(joins, timeout=self.timeout_s)
+        pending.result(self.timeout_s)
+        self.actor.run(actor_fns.install, fragments={s.rank: self.plan.fragment(s.rank) for s in self._sources})
+        ray.get([e.install_plan.remote({d.rank: self.plan.fragment(d.rank) for d in ws})
+                 for e, ws in zip(self.engines, self._dests, strict=True)], timeout=self.timeout_s)
+        return self.plan
+
+    # -- sync -----------------------------------------------------------------------------------
+
+    def sync(self, check: bool = False) -> SyncReport:
+        """Moves the actor's current weights into every engine (``check``: compare checksums)."""
+        import ray
+
+        if self.plan is None:
+            raise PlanError("WeightSync.setup() has not run")
+        plan_id = self.plan.plan_id
+        # Both sides confirm the plan still fits before any byte moves: a stale plan must fail
+        # here, not leave one side waiting in a receive the other will never send.
+        problems = self.actor.run(actor_fns.check, key=self.model_key, plan_id=plan_id, timeout_s=self.timeout_s)
+        problems += [p for found in ray.get([e.check_plan.remote(plan_id) for e in self.engines],
+                                            timeout=self.timeout_s) for p in found]
+        problems = [p for p in problems if p]
+        if problems:
+            raise StalePlanError(problems[0])
+        started = time.perf_counter()
+        pending = self.actor.submit(actor_fns.send, key=self.model_key, plan_id=plan_id)
+        received = ray.get([e.receive_weights.remote(plan_id, check) for e in self.engines], timeout=self.timeout_s)
+        sent = [s for s in pending.result(self.timeout_s) if s is not None]
+        seconds = time.perf_counter() - started
+        workers = [w for engine in received for w in engine]
+        report = SyncReport(
+            seconds=seconds,
+            received={w["rank"]: w["bytes_received"] for w in workers},
+            needed=dict(self.plan.needed_bytes),
+            peak_staging_bytes=max([w["peak_staging_bytes"] for w in workers] + [s["peak_staging_bytes"]
+                                                                                 for s in sent]),
+            bucket_bytes=self.bucket_bytes,
+            worker_stats=workers + sent,
+        )
+        if check:
+            report.checksum_mismatches = self._compare_checksums(workers)
+        return report
+
+    def _compare_checksums(self, workers: list[dict]) -> list[str]:
+        expected: dict[tuple[int, str], float] = {}
+        for part in self.actor.run(actor_fns.checksums, key=self.model_key, plan_id=self.plan.plan_id):
+            for k, value in (part or {}).items():
+                expected[k] = expected.get(k, 0.0) + value
+        mismatches = []
+        for worker in workers:
+            for name, got in worker["checksums"].items():
+                want = expected.get((worker["rank"], name), 0.0)
+                if abs(got - want) > 1e-5 * max(1.0, abs(want)):
+                    mismatches.append(f"{name} on rollout rank {worker['rank']}: checksum {got:.6g}, "
+                                      f"sent {want:.6g}")
+        return mismatches
+
+    # -- verification -------------------------------------------------------------------------
+
+    def verify(self, sequences: torch.Tensor, tolerance: float = 1e-3, report: SyncReport | None = None
+               ) -> VerifyReport:
+        """Scores ``sequences`` [b, s] with every engine and with the actor; raises above ``tolerance``."""
+        import ray
+
+        actor = next(x for x in self.actor.run(megatron_model.token_logprobs, key=self.model_key,
+                                               tokens=sequences) if x is not None)
+        worst: VerifyReport | None = None
+        for engine in self.engines:
+            scored = torch.tensor(ray.get(engine.prompt_logprobs.remote(sequences.tolist()), timeout=self.timeout_s))
+            diff = (scored - actor).abs()
+            result = VerifyReport(float(diff.max()), float(torch.exp(diff).mean()), diff.numel())
+            if worst is None or result.max_abs_logprob_diff > worst.max_abs_logprob_diff:
+                worst = result
+        if worst.max_abs_logprob_diff > tolerance or math.isnan(worst.max_abs_logprob_diff):
+            culprit = ""
+            if report is not None and report.checksum_mismatches:
+                culprit = f"; first differing shard: {report.checksum_mismatches[0]}"
+            raise WeightSyncMismatch(f"after the weight sync vLLM's log-probabilities differ from the actor's by "
+                                     f"up to {worst.max_abs_logprob_diff:.3g} (tolerance {tolerance:g}, "
+                                     f"token_mult_prob_error {worst.token_mult_prob_error:.4f}){culprit}")
+        return worst
+
+    # -- reference transfers (benchmark) ------------------------------------------------------
+
+    def raw_transfer_seconds(self) -> float:
+        """The same bytes between the same (source, destination) pairs as plain buffers."""
+        import ray
+
+        pairs: dict[int, dict[int, int]] = {}
+        for t in self.plan.transfers:
+            pairs.setdefault(t.src, {}).setdefault(t.dst, 0)
+            pairs[t.src][t.dst] += t.nbytes
+        send = {src: sorted(d.items()) for src, d in pairs.items()}
+        recv: dict[int, list[tuple[int, int]]] = {}
+        for src, dsts in pairs.items():
+            for dst, nbytes in dsts.items():
+                recv.setdefault(dst, []).append((src, nbytes))
+        started = time.perf_counter()
+        pending = self.actor.submit(actor_fns.send_raw, pairs=send)
+        ray.get([e.receive_raw.remote({d.rank: recv.get(d.rank, []) for d in ws})
+                 for e, ws in zip(self.engines, self._dests, strict=True)], timeout=self.timeout_s)
+        pending.result(self.timeout_s)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        import ray
+
+        if self.actor.alive:
+            self.actor.run(actor_fns.leave)
+        ray.get([e.leave_sync_group.remote() for e in self.engines], timeout=self.timeout_s)
+        self.plan = None
+
+
+def _arch(key: str) -> Any:
+    return megatron_model.held(key).spec.arch

@@ -1,0 +1,91 @@
+"""Executing a sync-plan fragment over a torch.distributed process group.
+
+Both sides run the same loop over their fragment's buckets: post every send and
+receive of the bucket, wait, unpack the packed messages, then let the receiver
+finalise the parameters the bucket completed (on CPU, vLLM re-packs its GEMM
+weights). Direct messages read from and land in the parameters themselves;
+staging buffers exist only for packed messages, so staging memory stays under
+the bucket cap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megarl.reshard.plan import dtype_of
+
+ParamLookup = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0
+    peak_staging_bytes: int = 0
+    seconds: float = 0.0
+    finalize_seconds: float = 0.0
+
+
+def region(tensor: torch.Tensor, dim: int, offset: int, length: int) -> torch.Tensor:
+    return tensor.narrow(dim, offset, length)
+
+
+def run_fragment(group, fragment: dict, params: ParamLookup,
+                 finalize: Callable[[str], None] | None = None) -> TransferStats:
+    """Runs this rank's part of a plan on ``group`` (a ProcessGroup with send/recv)."""
+    stats = TransferStats()
+    started = time.perf_counter()
+    for bucket in fragment["buckets"]:
+        works, unpack, staging = [], [], 0
+        for message in bucket["send"]:
+            dtype = dtype_of(message["dtype"])
+            if message["direct"]:
+                ((name, dim, offset, length),) = message["items"]
+                payload = region(params(name), dim, offset, length)
+                if payload.dtype != dtype or not payload.is_contiguous():
+                    payload = payload.to(dtype).contiguous()
+                    staging += payload.numel() * payload.element_size()
+            else:
+                payload = torch.cat([region(params(name), dim, offset, length).to(dtype).reshape(-1)
+                                     for name, dim, offset, length in message["items"]])
+                staging += payload.numel() * payload.element_size()
+            works.append(group.send([payload], message["peer"], message["tag"]))
+            stats.bytes_sent += message["nbytes"]
+            stats.messages += 1
+        for message in bucket["recv"]:
+            dtype = dtype_of(message["dtype"])
+            if message["direct"]:
+                ((name, dim, offset, length),) = message["items"]
+                target = region(params(name), dim, offset, length)
+                works.append(group.recv([target], message["peer"], message["tag"]))
+            else:
+                buffer = torch.empty(message["nbytes"] // dtype.itemsize, dtype=dtype,
+                                     device=params(message["items"][0][0]).device)
+                staging += message["nbytes"]
+                works.append(group.recv([buffer], message["peer"], message["tag"]))
+                unpack.append((buffer, message["items"]))
+            stats.bytes_received += message["nbytes"]
+            stats.messages += 1
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
+        for work in works:
+            work.wait()
+        for buffer, items in unpack:
+            position = 0
+            for name, dim, offset, length in items:
+                target = region(params(name), dim, offset, length)
+                n = target.numel()
+                target.copy_(buffer[position:position + n].view(target.shape))
+                position += n
+        del works, unpack
+        if finalize is not None:
+            t0 = time.perf_counter()
+            for name in bucket["complete"]:
+                finalize(name)
+            stats.finalize_seconds += time.perf_counter() - t0
+    stats.seconds = time.perf_counter() - started
+    return stats

@@ -1,0 +1,1 @@
+"""Rollout engines: generation in vLLM, inside Ray actors."""

@@ -1,0 +1,32 @@
+"""Rollout engines as Ray actors: one actor per engine, vLLM's TP workers beneath it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.platform import current_platform
+from megarl.rollout.vllm_engine import VLLMEngine
+
+
+def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str | None = None,
+                 num_cpus: float = 1, placement_group: Any = None, bundle_index: int = 0,
+                 **engine_kwargs: Any):
+    """Starts a ``VLLMEngine`` in its own Ray actor; returns the handle at once (it loads in the background)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 1}
+    if current_platform().is_gpu:
+        options["num_gpus"] = tp  # vLLM's TP workers are processes under this actor: give it their GPUs
+    if name:
+        options["name"] = name
+    if placement_group is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle_index)
+    return ray.remote(VLLMEngine).options(**options).remote(model_path, tp=tp, dtype=dtype, **engine_kwargs)
+
+
+def wait_ready(engines: list, timeout_s: float = 600.0) -> None:
+    import ray
+
+    ray.get([e.ready.remote() for e in engines], timeout=timeout_s)

