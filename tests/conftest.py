@@ -124,8 +124,9 @@ class Pools:
             pool.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pools():
+    # Per test module: rank processes hold models; a session of them would not fit in memory.
     p = Pools()
     yield p
     p.close()

@@ -176,19 +176,18 @@ def nccl_all_reduce() -> float:
 
 def corrupt_in_flight(param: str) -> None:
     """From now on this rank sends a perturbed copy of ``param`` (its own weights stay intact)."""
-    from megarl.reshard import actor_fns, source
-    from megarl.reshard.transport import run_fragment
+    from megarl.reshard import actor_fns, transport
 
-    def faulty_send(group, fragment, chunks, spec, info):
-        tensors = source.source_tensors(chunks, spec, info)
-        if param in tensors:
-            tensors[param] = tensors[param] * 1.5 + 0.1
-        return run_fragment(group, fragment, tensors.__getitem__)
+    def faulty_run(group, fragment, params, finalize=None):
+        def lookup(name):
+            tensor = params(name)
+            return tensor * 1.5 + 0.1 if name == param else tensor
+        return transport.run_fragment(group, fragment, lookup, finalize)
 
-    actor_fns.send_fragment = faulty_send
+    actor_fns.run_fragment = faulty_run
 
 
 def restore_send() -> None:
-    from megarl.reshard import actor_fns, source
+    from megarl.reshard import actor_fns, transport
 
-    actor_fns.send_fragment = source.send_fragment
+    actor_fns.run_fragment = transport.run_fragment

@@ -156,3 +156,15 @@ def test_help_explains():
     for command in ("hf-to-mcore", "mcore-to-hf", "reshard", "verify", "torchrun"):
         assert command in text
     assert "--tol" in megarl("convert", "verify", "--help").stdout
+
+
+def test_export_at_tp2_pp2_assembles_each_tensor_once(ckpt22, llama_with_side_files, tmp_path, pools):
+    """Exporting from a TP>1 layout: replicated norms are offered by every TP rank but
+    must be assembled once (a second copy used to be emitted and silently overwritten)."""
+    out = tmp_path / "export22"
+    out.mkdir()
+    pools.get(4).run(jobs.mcore_to_hf, ckpt_dir=str(ckpt22), out_dir=str(out),
+                     parallel=ParallelConfig(tp=2, pp=2, world_size=4))
+    original, returned = load_file(llama_with_side_files / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(original) == sorted(returned)
+    assert all(torch.equal(original[n], returned[n]) for n in original)

@@ -76,9 +76,16 @@ def export_hf_tensors(chunks: list, spec: ModelSpec, info: RankInfo,
     remaining = {name: shapes[name][0] for name in shapes}
     needed_dim: dict[str, int] = {}
     open_tensors: dict[str, torch.Tensor] = {}
-    order = sorted(((src, name, rec, dt) for src, items in enumerate(everyone) for name, rec, dt in items),
-                   key=lambda item: _sort_key(item[1], item[0]))
+    # Replicated parameters (norms on every TP rank) are offered by several ranks: take each
+    # identical contribution once, from its lowest rank. Every rank derives the same order.
+    order, offered = [], set()
+    for src, name, rec, dt in sorted(((src, name, rec, dt) for src, items in enumerate(everyone)
+                                      for name, rec, dt in items), key=lambda item: _sort_key(item[1], item[0])):
+        if (name, rec.pieces) not in offered:
+            offered.add((name, rec.pieces))
+            order.append((src, name, rec, dt))
     rank = dist.get_rank()
+    emitted: set[str] = set()
     for src, name, rec, param_dtype in order:
         if rank not in (0, src):
             continue
@@ -104,6 +111,9 @@ def export_hf_tensors(chunks: list, spec: ModelSpec, info: RankInfo,
             open_tensors[piece.hf].narrow(rec.dim, piece.start, piece.length).copy_(part)
             remaining[piece.hf] -= piece.length
             if remaining[piece.hf] == 0:
+                if piece.hf in emitted:
+                    raise RuntimeError(f"export: {piece.hf} was assembled twice")
+                emitted.add(piece.hf)
                 emit(piece.hf, open_tensors.pop(piece.hf))
     if rank == 0 and open_tensors:
         raise RuntimeError(f"export incomplete: {sorted(open_tensors)[:5]} still miss pieces")

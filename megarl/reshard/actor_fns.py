@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from megarl.reshard.group import free_port, node_ip, open_sync_group
 from megarl.reshard.plan import meta_fingerprint
-from megarl.reshard.source import expected_checksums, send_fragment, source_meta
+from megarl.reshard.source import expected_checksums, source_meta, source_tensors
+from megarl.reshard.transport import run_fragment
 from megarl.workers.megatron_model import held
 from megarl.workers.state import state
 
@@ -65,12 +66,23 @@ def check(key: str, plan_id: str) -> str | None:
 
 
 def send(key: str, plan_id: str) -> dict | None:
+    """Sends this rank's shards; WeightSync.sync has just run ``check`` on every rank."""
+    from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
+
     if _KEY not in state:
         return None
+    fragment = state[_KEY]["plans"].get(plan_id)
+    if fragment is None:
+        raise RuntimeError(f"weight-sync plan {plan_id} is not installed on this rank")
     model = held(key)
-    stats = send_fragment(state[_KEY]["group"], _fragment(key, plan_id), model.chunks, model.spec, model.info)
+    reset_peak_rss()
+    rss_at_start = current_rss()
+    tensors = source_tensors(model.chunks, model.spec, model.info)
+    stats = run_fragment(state[_KEY]["group"], fragment, tensors.__getitem__)
     return {"rank": state[_KEY]["group"].rank, "bytes_sent": stats.bytes_sent, "seconds": stats.seconds,
-            "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages}
+            "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages,
+            "peak_rss_above_start": peak_rss() - rss_at_start,
+            "largest_param_bytes": max(t.numel() * t.element_size() for t in tensors.values())}
 
 
 def checksums(key: str, plan_id: str) -> dict[tuple[int, str], float] | None:

@@ -14,7 +14,6 @@ from megarl.distributed.parallel import RankInfo
 from megarl.models.gpt import ModelSpec
 from megarl.reshard.checksum import region_checksum
 from megarl.reshard.plan import ParamInfo
-from megarl.reshard.transport import TransferStats, run_fragment
 
 
 def source_tensors(chunks: list, spec: ModelSpec, info: RankInfo) -> dict[str, torch.Tensor]:
@@ -39,11 +38,6 @@ def source_meta(chunks: list, spec: ModelSpec, info: RankInfo) -> dict | None:
         "layout": shard_layout(spec, info),
         "params": {name: ParamInfo(tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in tensors.items()},
     }
-
-
-def send_fragment(group, fragment: dict, chunks: list, spec: ModelSpec, info: RankInfo) -> TransferStats:
-    tensors = source_tensors(chunks, spec, info)
-    return run_fragment(group, fragment, tensors.__getitem__)
 
 
 def expected_checksums(fragment: dict, chunks: list, spec: ModelSpec, info: RankInfo

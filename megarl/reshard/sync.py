@@ -202,6 +202,21 @@ class WeightSync:
         pending.result(self.timeout_s)
         return time.perf_counter() - started
 
+    def full_tensor_baseline(self) -> tuple[float, dict[int, int]]:
+        """The peers' way: every full tensor to every worker, loaded by vLLM (seconds, bytes per worker)."""
+        import ray
+
+        from megarl.reshard import baseline
+
+        listing = self.actor.run_on([0], baseline.hf_listing, key=self.model_key)[0]
+        destinations = [d.rank for workers in self._dests for d in workers]
+        started = time.perf_counter()
+        pending = self.actor.submit(baseline.send_full_tensors, key=self.model_key, destinations=destinations)
+        received = ray.get([e.receive_full_tensors.remote(listing) for e in self.engines], timeout=self.timeout_s)
+        pending.result(self.timeout_s)
+        seconds = time.perf_counter() - started
+        return seconds, {w["rank"]: w["bytes_received"] for engine in received for w in engine}
+
     def close(self) -> None:
         import ray
 

@@ -3,15 +3,17 @@
 Both sides run the same loop over their fragment's buckets: post every send and
 receive of the bucket, wait, unpack the packed messages, then let the receiver
 finalise the parameters the bucket completed (on CPU, vLLM re-packs its GEMM
-weights). Direct messages read from and land in the parameters themselves;
-staging buffers exist only for packed messages, so staging memory stays under
-the bucket cap.
+weights). Finalising runs on a background thread while the next bucket is in
+flight: parameters a bucket completed are not touched by later buckets. Direct
+messages read from and land in the parameters themselves; staging buffers exist
+only for packed messages, so staging memory stays under the bucket cap.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,15 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
     """Runs this rank's part of a plan on ``group`` (a ProcessGroup with send/recv)."""
     stats = TransferStats()
     started = time.perf_counter()
+    finishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-finalize") if finalize else None
+    pending_finalize: list[Future] = []
+
+    def finalize_all(names: list[str]) -> float:
+        t0 = time.perf_counter()
+        for name in names:
+            finalize(name)
+        return time.perf_counter() - t0
+
     for bucket in fragment["buckets"]:
         works, unpack, staging = [], [], 0
         for message in bucket["send"]:
@@ -82,10 +93,10 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
                 target.copy_(buffer[position:position + n].view(target.shape))
                 position += n
         del works, unpack
-        if finalize is not None:
-            t0 = time.perf_counter()
-            for name in bucket["complete"]:
-                finalize(name)
-            stats.finalize_seconds += time.perf_counter() - t0
+        if finishing is not None and bucket["complete"]:
+            pending_finalize.append(finishing.submit(finalize_all, bucket["complete"]))
+    if finishing is not None:
+        stats.finalize_seconds = sum(f.result() for f in pending_finalize)  # re-raises a failure
+        finishing.shutdown()
     stats.seconds = time.perf_counter() - started
     return stats

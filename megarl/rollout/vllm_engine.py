@@ -113,6 +113,11 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         return stats
 
+    def receive_full_tensors(self, listing: list[tuple[str, list[int], str]]) -> list[dict[str, Any]]:
+        stats = [json.loads(s) for s in self.llm.collective_rpc("megarl_receive_full", args=(json.dumps(listing),))]
+        self.llm.reset_prefix_cache()
+        return stats
+
     def receive_raw(self, sources: dict[int, list[tuple[int, int]]]) -> list[dict[str, Any]]:
         payload = json.dumps({str(rank): pairs for rank, pairs in sources.items()})
         return [json.loads(s) for s in self.llm.collective_rpc("megarl_receive_raw", args=(payload,))]

@@ -14,9 +14,19 @@ Arguments cross vLLM's RPC layer as plain JSON text (tensors do not survive it).
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
+
+from megarl.platform import current_platform
+
+if not current_platform().is_gpu:
+    # Imported by vLLM's worker processes before they load the model: keep vLLM's own
+    # load_weights usable after it prepacks CPU weights (see megarl.platform.vllm_cpu).
+    from megarl.platform.vllm_cpu import prepacked_weights_keep_loaders
+
+    prepacked_weights_keep_loaders()
 
 
 class WeightSyncExtension:
@@ -99,6 +109,10 @@ class WeightSyncExtension:
     def megarl_receive(self, plan_id: str, with_checksums: bool = False) -> str:
         from megarl.reshard.checksum import tensor_checksum
         from megarl.reshard.transport import run_fragment
+        from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
+
+        reset_peak_rss()
+        rss_at_start = current_rss()
 
         fragment = self._megarl_plans.get(plan_id)
         if fragment is None:
@@ -140,7 +154,9 @@ class WeightSyncExtension:
             "rank": self._megarl_group.rank, "bytes_received": stats.bytes_received, "messages": stats.messages,
             "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,
             "transfer_seconds": stats.seconds - stats.finalize_seconds, "finalize_seconds": stats.finalize_seconds,
-            "checksums": checksums,
+            "checksums": checksums, "peak_rss_above_start": peak_rss() - rss_at_start,
+            "largest_param_bytes": max((math.prod(s) * params[n].element_size() for n, s in shapes.items()),
+                                       default=0),
         })
 
     def megarl_receive_raw(self, sources_json: str) -> str:
@@ -155,3 +171,29 @@ class WeightSyncExtension:
         for work in works:
             work.wait()
         return json.dumps({"seconds": time.perf_counter() - started, "bytes": sum(n for _, n in sources)})
+
+    def megarl_receive_full(self, tensors_json: str) -> str:
+        """The full-tensor baseline (and fallback): every HF tensor whole from sync rank 0,
+        loaded through vLLM's own ``load_weights``, which keeps this worker's slice."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        listing = json.loads(tensors_json)  # [[name, shape, dtype], ...] in any order
+        model = self._megarl_model()
+        started = time.perf_counter()
+        # Prepacked (emptied) weights must exist again before vLLM's loaders copy into them.
+        for name, param in model.named_parameters():
+            if param.numel() == 0:
+                param.data = torch.empty(self._megarl_logical_shape(name, param), dtype=param.dtype,
+                                         device=param.device)
+        received = 0
+        index = torch.empty(1, dtype=torch.int64)
+        for _ in listing:
+            self._megarl_group.recv([index], 0, 1).wait()
+            name, shape, dtype = listing[int(index)]
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            self._megarl_group.recv([tensor], 0, 2).wait()
+            received += tensor.numel() * tensor.element_size()
+            model.load_weights([(name, tensor)])
+        process_weights_after_loading(model, self.model_runner.model_config, next(model.parameters()).device)
+        return json.dumps({"rank": self._megarl_group.rank, "bytes_received": received,
+                           "seconds": time.perf_counter() - started})

@@ -408,8 +408,11 @@ class WorkerGroup:
         if self._closed is not None:
             return
         if graceful and ray.is_initialized():
-            refs = list(self._send(range(self.world_size), _close_rank, {}).values())
-            ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_TIMEOUT_S)
+            try:
+                refs = list(self._send(range(self.world_size), _close_rank, {}).values())
+                ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_TIMEOUT_S)
+            except Exception:  # a rank already died: nothing to close gracefully, kill the rest
+                pass
         self._teardown("shut down by the driver")
 
     def __enter__(self) -> WorkerGroup:

@@ -1,0 +1,50 @@
+"""``megarl bench``: benchmarks that print measured/limit ratios from one run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (weight sync, ...)",
+                           description="Benchmarks that print measured figures next to their limits.")
+    bench.set_defaults(handler=main)
+    bs = bench.add_subparsers(dest="bench_cmd", required=True, metavar="BENCHMARK")
+    p = bs.add_parser("refit", help="weight sync Megatron (tp, pp) -> vLLM tp: bytes and time vs raw transfer",
+                      description="Syncs a model from an actor group into a vLLM engine and prints, per rollout "
+                                  "rank, bytes received / bytes of its shard, the sync time against a raw transfer "
+                                  "of the same bytes on the same group, the full-tensor baseline, and peak memory.")
+    p.add_argument("--model", required=True, help="HF folder, megarl checkpoint or bundled:SmolLM2-135M-Instruct")
+    p.add_argument("--train-tp", type=int, default=1)
+    p.add_argument("--train-pp", type=int, default=1)
+    p.add_argument("--rollout-tp", type=int, default=1)
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket cap in MiB (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed syncs (median reported)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--no-baseline", action="store_true", help="skip the full-tensor baseline")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run_refit_cmd)
+
+
+def run_refit_cmd(args: argparse.Namespace) -> int:
+    from megarl.bench.refit import RefitArgs, dumps, format_table, run_refit
+
+    refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, rollout_tp=args.rollout_tp,
+                      bucket_mib=args.bucket_mb, repeats=args.repeats, dtype=args.dtype,
+                      baseline=not args.no_baseline)
+    progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    result = run_refit(refit, progress=progress)
+    print(dumps(result) if args.json else format_table(result), flush=True)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from megarl.config.loader import ConfigError
+    from megarl.models.hf_arch import ArchError
+
+    try:
+        return args.run(args)
+    except (ConfigError, ArchError, FileNotFoundError) as e:
+        print(f"megarl bench: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,169 @@
+"""``megarl bench refit``: the weight sync measured against its physical limits.
+
+One run starts a vLLM engine (rollout TP), an actor group (train TP x PP) holding
+the model, plans the sync, and measures, side by side and interleaved so that a
+noisy machine slows both alike:
+- per rollout rank: bytes received / bytes of its shard (the physical minimum);
+- sync time against the raw transfer of the same bytes between the same pairs of
+  ranks on the same process group (plain buffers, no planning, no placement);
+- the full-tensor baseline (gather + send every tensor whole + vLLM load_weights);
+- peak memory above start on each side during a sync, against the bucket cap plus
+  the largest parameter shard.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config.schema import ParallelConfig
+
+
+@dataclass
+class RefitArgs:
+    model: str
+    train_tp: int = 1
+    train_pp: int = 1
+    rollout_tp: int = 1
+    bucket_mib: float = 64.0
+    repeats: int = 3
+    dtype: str = "float32"
+    baseline: bool = True
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def check_args(args: RefitArgs):
+    """Refuses a bad layout before anything starts; returns the model's architecture."""
+    from megarl.config.loader import ConfigError
+    from megarl.config.validate import parallel_errors
+    from megarl.convert.checkpoint import read_model_arch
+    from megarl.reshard.vllm_layout import vllm_padded_vocab
+
+    arch = read_model_arch(args.model)
+    errors = parallel_errors(arch, ParallelConfig(tp=args.train_tp, pp=args.train_pp), "--train")
+    if arch.num_heads % args.rollout_tp:
+        errors.append(f"--rollout-tp={args.rollout_tp} does not divide num_attention_heads={arch.num_heads}")
+    if vllm_padded_vocab(arch.vocab_size) % args.rollout_tp:
+        errors.append(f"--rollout-tp={args.rollout_tp} does not divide vLLM's padded vocabulary")
+    if args.repeats < 1 or args.bucket_mib <= 0:
+        errors.append("--repeats must be >= 1 and --bucket-mb > 0")
+    if errors:
+        raise ConfigError("invalid benchmark:\n  " + "\n  ".join(e.replace("--train.", "--train-") for e in errors))
+    return arch
+
+
+def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
+    import ray
+
+    from megarl.cluster.ray_env import ensure_ray
+    from megarl.models.bundled import resolve_model_path
+    from megarl.reshard.sync import WeightSync
+    from megarl.rollout.remote import start_engine, wait_ready
+    from megarl.workers import WorkerGroup, megatron_model
+
+    arch = check_args(args)
+    model = str(resolve_model_path(args.model))
+    ensure_ray()
+    world = args.train_tp * args.train_pp
+    progress(f"starting vLLM (tp={args.rollout_tp}) and the actor ({world} rank(s))...")
+    engine = start_engine(model, tp=args.rollout_tp, dtype=args.dtype, max_model_len=256, max_num_seqs=4)
+    actor = WorkerGroup("actor", world)
+    try:
+        actor.run(megatron_model.load, key="actor", source=model, dtype=args.dtype,
+                  parallel=ParallelConfig(tp=args.train_tp, pp=args.train_pp, world_size=world))
+        wait_ready([engine])
+        sync = WeightSync(actor, "actor", [engine], bucket_bytes=int(args.bucket_mib * 2**20))
+        started = time.perf_counter()
+        plan = sync.setup()
+        plan_seconds = time.perf_counter() - started
+        progress(f"plan: {len(plan.transfers)} transfers in {len(plan.buckets)} bucket(s), {plan_seconds:.2f} s; "
+                 "warming up...")
+        sync.sync()  # first sync: one-time allocations on both sides
+        sync.raw_transfer_seconds()
+        reports, raw = [], []
+        for i in range(args.repeats):
+            reports.append(sync.sync())
+            raw.append(sync.raw_transfer_seconds())
+            progress(f"repeat {i + 1}/{args.repeats}: sync {reports[-1].seconds:.3f} s, raw {raw[-1]:.3f} s")
+        baseline = None
+        if args.baseline:
+            seconds, received = sync.full_tensor_baseline()
+            baseline = {"seconds": seconds, "received": received}
+            sync.sync()  # leave the engine on the sync path's weights
+        sync.close()
+    finally:
+        actor.shutdown()
+        ray.kill(engine)
+    return _result(args, arch, plan, reports, raw, baseline)
+
+
+def _result(args: RefitArgs, arch, plan, reports, raw, baseline) -> dict[str, Any]:
+    last = reports[-1]
+    sync_s = statistics.median(r.seconds for r in reports)
+    raw_s = statistics.median(raw)
+    ranks = []
+    for rank in sorted(last.needed):
+        worker = next(w for w in last.worker_stats if w.get("rank") == rank and "bytes_received" in w)
+        ranks.append({
+            "rank": rank, "received_bytes": last.received[rank], "shard_bytes": last.needed[rank],
+            "bytes_ratio": last.received[rank] / last.needed[rank], "receive_seconds": worker["seconds"],
+            "finalize_seconds": worker["finalize_seconds"],
+            "peak_rss_above_start": worker["peak_rss_above_start"],
+            "memory_limit": last.bucket_bytes + worker["largest_param_bytes"],
+        })
+    senders = [w for w in last.worker_stats if "bytes_sent" in w]
+    result = {
+        "model": args.model, "params": arch.num_parameters(), "dtype": args.dtype,
+        "train_tp": args.train_tp, "train_pp": args.train_pp, "rollout_tp": args.rollout_tp,
+        "bucket_bytes": last.bucket_bytes, "repeats": args.repeats,
+        "bytes_ratio": max(r["bytes_ratio"] for r in ranks),
+        "sync_seconds": sync_s, "raw_seconds": raw_s, "time_ratio": sync_s / raw_s,
+        "ranks": ranks,
+        "actor_memory": [{"rank": s["rank"], "peak_rss_above_start": s["peak_rss_above_start"],
+                          "memory_limit": last.bucket_bytes + s["largest_param_bytes"]} for s in senders],
+    }
+    if baseline is not None:
+        result["baseline"] = {
+            "seconds": baseline["seconds"], "time_ratio": baseline["seconds"] / raw_s,
+            "bytes_ratio": max(baseline["received"][r] / last.needed[r] for r in last.needed),
+        }
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"megarl bench refit: {result['model']} ({result['params'] / 1e6:.1f}M params, {result['dtype']}), "
+        f"actor tp={result['train_tp']} pp={result['train_pp']} -> vLLM tp={result['rollout_tp']}, "
+        f"bucket {_human(result['bucket_bytes'])}, median of {result['repeats']}",
+        f"{'rollout rank':>12} | {'received':>11} | {'its shard':>11} | {'received/shard':>14} | "
+        f"{'receive s':>9} | {'repack s':>8} | {'peak mem/limit':>14}",
+    ]
+    for r in result["ranks"]:
+        lines.append(f"{r['rank']:>12} | {_human(r['received_bytes']):>11} | {_human(r['shard_bytes']):>11} | "
+                     f"{r['bytes_ratio']:>14.2f} | {r['receive_seconds']:>9.3f} | {r['finalize_seconds']:>8.3f} | "
+                     f"{r['peak_rss_above_start'] / r['memory_limit']:>14.2f}")
+    for a in result["actor_memory"]:
+        lines.append(f"{'actor ' + str(a['rank']):>12} | peak memory during sync / limit (bucket + largest shard): "
+                     f"{a['peak_rss_above_start'] / a['memory_limit']:.2f}")
+    lines.append(f"sync {result['sync_seconds']:.3f} s vs raw transfer of the same bytes "
+                 f"{result['raw_seconds']:.3f} s: time_ratio {result['time_ratio']:.2f} (target <= 1.4); "
+                 f"bytes_ratio {result['bytes_ratio']:.2f}")
+    if "baseline" in result:
+        b = result["baseline"]
+        lines.append(f"full-tensor baseline (gather + send whole + vLLM load_weights): {b['seconds']:.3f} s "
+                     f"(time_ratio {b['time_ratio']:.2f}), bytes_ratio {b['bytes_ratio']:.2f}")
+    return "\n".join(lines)
+
+
+def dumps(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=2, sort_keys=True)
