@@ -32,6 +32,10 @@ setup(
         "gguf",  # reads the bundled SmolLM2 GGUF file
         "accelerate",
         "ray[default]",
+        "reasoning-gym",  # verifiable tasks and their scorers (rule-based rewards)
+        "math-verify",
+        "tensorboard",
+        "matplotlib",  # reward / KL curves written at the end of a run
     ],
     extras_require={
         # vLLM's CPU build; the install script removes the torchvision/torchaudio/torchcodec

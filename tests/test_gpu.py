@@ -71,3 +71,42 @@ def test_fp8_training_lowers_loss(pools, te_model):
                                    tokens=random_tokens(batch=4, seq=33, vocab=512)))
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
+
+
+@pytest.fixture(scope="module")
+def gpu_rollout(te_model):
+    import ray
+
+    from megarl.cluster.ray_env import ensure_ray
+    from megarl.rollout.remote import start_engine, wait_ready
+
+    ensure_ray()
+    engine = start_engine(str(te_model), tp=1, dtype="float32", max_model_len=256, max_num_seqs=8,
+                          gpu_memory_utilization=0.3)
+    wait_ready([engine])
+    yield engine
+    ray.kill(engine)
+
+
+def test_nccl_weight_sync_after_sleep_and_wake(gpu_rollout, te_model):
+    """NCCL sync into vLLM on the GPU, in the colocated order: sleep (weights and KV cache
+    released), train, wake the weights, sync, wake the KV cache; then vLLM's logprobs are the actor's."""
+    import ray
+
+    from megarl.reshard.sync import WeightSync
+    from megarl.workers import WorkerGroup, megatron_model
+
+    with WorkerGroup("actor-gpu", 1, num_gpus_per_rank=0.5) as actor:
+        actor.run(megatron_model.load, key="actor", source=str(te_model), parallel=ParallelConfig())
+        sync = WeightSync(actor, "actor", [gpu_rollout], bucket_bytes=1 << 20, backend="nccl")
+        try:
+            sync.setup()
+            ray.get(gpu_rollout.sleep.remote())
+            actor.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=2, seq=33, vocab=512))
+            ray.get(gpu_rollout.wake_up_weights.remote())
+            report = sync.sync(check=True)
+            ray.get(gpu_rollout.wake_up_kv_cache.remote())
+            assert report.bytes_ratio == 1.0 and not report.checksum_mismatches
+            assert sync.verify(random_tokens(batch=2, seq=32, vocab=512), tolerance=5e-3).max_abs_logprob_diff <= 5e-3
+        finally:
+            sync.close()

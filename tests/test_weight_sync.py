@@ -108,6 +108,25 @@ def test_sync_after_a_training_step(tp, pp, rollout_tp, actor4, engines, rollout
     assert verified.max_abs_logprob_diff <= TOL
 
 
+def test_sync_while_the_engine_sleeps(actor4, engines, rollout_model):
+    """The colocated order: sleep for training, wake the weights, sync, then the KV cache."""
+    import ray
+
+    engine = engines["tiny-tp1"]
+    actor4.run(megatron_model.load, key="actor", source=str(rollout_model), parallel=ParallelConfig(tp=2, world_size=4))
+    sync = WeightSync(actor4, "actor", [engine], bucket_bytes=BUCKET)
+    try:
+        sync.setup()
+        ray.get(engine.sleep.remote())
+        actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=5))
+        ray.get(engine.wake_up_weights.remote())
+        sync.sync()
+        ray.get(engine.wake_up_kv_cache.remote())
+        assert sync.verify(random_tokens(batch=2, seq=32), tolerance=TOL).max_abs_logprob_diff <= TOL
+    finally:
+        sync.close()
+
+
 def test_stale_plan_is_detected(actor4, engines, rollout_model):
     actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
                parallel=ParallelConfig(tp=2, world_size=4))

@@ -1,0 +1,165 @@
+"""Advantage estimators: GAE (PPO), GRPO / Dr.GRPO, RLOO, REINFORCE++; token-reward shaping.
+
+Shapes follow :mod:`megarl.algorithms.masked`: token tensors ``[B, T]``,
+``mask`` ``[B, T]`` of valid (right-padded) response tokens, per-sequence
+scalars ``[B]``. Group estimators (GRPO, RLOO) take ``B = n_groups * group_size``
+with the samples of one prompt *consecutive*: group g is rows
+``[g * group_size, (g + 1) * group_size)``.
+
+Advantages and returns are targets, never differentiated: every function here
+runs under ``torch.no_grad()``. Masked positions of every ``[B, T]`` result are 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algorithms.masked import whiten
+
+
+def _zeros_like_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B]`` -> ``[B // group_size, group_size]`` (float), with a clear error when B does not divide."""
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
+    if group_size < 1 or scores.numel() % group_size != 0:
+        raise ValueError(f"batch of {scores.numel()} scores does not split into groups of {group_size}")
+    s = scores if scores.is_floating_point() else scores.float()
+    return s.view(-1, group_size)
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the valid tokens of each sequence.
+
+    For valid token t, with V_{t+1} the value of the next *valid* token (0 after
+    the last one: the end of the response is terminal)::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}      (A after the last valid token = 0)
+        R_t     = A_t + V_t
+
+    Masked positions are skipped (their rewards and values are ignored, they
+    break nothing in between) and get ``A = R = 0``. Returns ``(advantages, returns)``, both ``[B, T]``.
+    """
+    valid = mask.bool()
+    zero = torch.zeros_like(values[:, 0])
+    next_value, next_adv = zero, zero
+    advantages = torch.zeros_like(values)
+    for t in range(values.shape[1] - 1, -1, -1):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        v = valid[:, t]
+        advantages[:, t] = torch.where(v, adv, zero)
+        next_value = torch.where(v, values[:, t], next_value)
+        next_adv = torch.where(v, adv, next_adv)
+    returns = _zeros_like_masked(advantages + values, mask)
+    return advantages, returns
+
+
+@torch.no_grad()
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Return-to-go ``G_t = r_t + gamma * G_{t+1}`` over valid tokens (``G`` after the last one = 0); ``[B, T]``.
+
+    Masked positions are skipped (their rewards ignored) and get 0.
+    """
+    valid = mask.bool()
+    zero = torch.zeros_like(rewards[:, 0])
+    running = zero
+    out = torch.zeros_like(rewards)
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        g = rewards[:, t] + gamma * running
+        v = valid[:, t]
+        out[:, t] = torch.where(v, g, zero)
+        running = torch.where(v, g, running)
+    return out
+
+
+@torch.no_grad()
+def token_rewards(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl_per_token: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> torch.Tensor:
+    """Per-token rewards ``[B, T]`` from sequence scores (PPO / REINFORCE++ shaping).
+
+    ``r[b, t] = scores[b] * [t == last valid token of b] - beta * kl_per_token[b, t]``
+    on valid tokens, 0 on masked ones. A sequence with no valid token gets no reward.
+    """
+    valid = mask.bool()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(valid)
+    last = torch.where(valid, positions, -1).amax(dim=1, keepdim=True)  # -1 when the row is empty
+    s = scores if scores.is_floating_point() else scores.float()
+    rewards = torch.where(positions == last, s[:, None], torch.zeros((), dtype=s.dtype, device=s.device))
+    if kl_per_token is not None and beta != 0.0:
+        rewards = rewards - beta * kl_per_token
+    return _zeros_like_masked(rewards, mask)
+
+
+@torch.no_grad()
+def grpo_advantages(
+    scores: torch.Tensor,
+    group_size: int,
+    norm_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO outcome advantages ``[B]``: each score against its group's statistics.
+
+    ``A_i = (s_i - mean_g) / (std_g + eps)`` where mean and std are over the
+    ``group_size`` samples of i's group and std is the *unbiased* sample
+    standard deviation (Bessel, divisor k - 1), as in ``torch.std`` and the
+    common GRPO implementations. With ``norm_std=False`` (Dr.GRPO) only the mean
+    is removed: ``A_i = s_i - mean_g``. A group of identical scores gives 0.
+    ``group_size == 1`` gives 0 (the sample is its own baseline).
+    Broadcast over tokens with :func:`broadcast`.
+    """
+    g = _groups(scores, group_size)
+    centred = g - g.mean(dim=1, keepdim=True)
+    if norm_std and group_size > 1:
+        centred = centred / (g.std(dim=1, keepdim=True, correction=1) + eps)
+    return centred.reshape(-1)
+
+
+@torch.no_grad()
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages ``[B]``: ``A_i = s_i - mean_{j != i in group} s_j``.
+
+    Equal to ``k / (k - 1) * (s_i - mean_g)`` for group size k; needs ``k >= 2``.
+    """
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2, got {group_size}")
+    g = _groups(scores, group_size)
+    others_mean = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - others_mean).reshape(-1)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++ advantages ``[B, T]``: return-to-go, whitened over the whole batch.
+
+    ``G = discounted_returns(token_rewards, mask, gamma)``, then
+    ``A = (G - mean) / sqrt(var + eps)`` with mean and unbiased variance over all
+    valid tokens of the batch (global whitening, :func:`~megarl.algorithms.masked.whiten`).
+    """
+    return whiten(discounted_returns(token_rewards, mask, gamma), mask, shift_mean=True, eps=eps)
+
+
+def broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence values ``[B]`` copied onto every valid token: ``[B, T]``, 0 on masked tokens."""
+    out = seq_adv[:, None].expand(mask.shape)
+    return _zeros_like_masked(out, mask)

@@ -1,0 +1,262 @@
+"""Prompt data: loaders and their errors, reasoning-gym prompts, the resumable dataset,
+the SmolLM2 chat template, token-budget micro-batching, packing and padding."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.data import (
+    PromptDataset,
+    PromptItem,
+    from_reasoning_gym,
+    load_jsonl,
+    load_parquet,
+    load_prompts,
+    pack_sequences,
+    pad_right,
+    token_budget_microbatches,
+    tokenize_prompts,
+)
+from megarl.rewards import ReasoningGymReward, RewardInput
+
+# ---------------------------------------------------------------- loaders
+
+
+def _write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_load_jsonl_prompts_and_messages(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [
+        json.dumps({"prompt": "What is 2+2?", "answer": "4", "id": 1}),
+        "",
+        json.dumps({"prompt": "What is 3+3?", "answer": "6", "id": 2}),
+    ])
+    items = load_jsonl(path)
+    assert [i.prompt for i in items] == ["What is 2+2?", "What is 3+3?"]
+    assert items[1].metadata == {"answer": "6", "id": 2} and items[1].messages is None
+    assert load_jsonl(path, metadata_keys=["answer"])[0].metadata == {"answer": "4"}
+    assert load_prompts(path)[0].prompt == "What is 2+2?"
+
+    row = {"msgs": [{"role": "user", "content": "hi"}], "answer": "x"}
+    chat = _write_jsonl(tmp_path / "c.jsonl", [json.dumps(row)])
+    item = load_jsonl(chat, prompt_key=None, messages_key="msgs")[0]
+    assert item.messages == [{"role": "user", "content": "hi"}] and item.metadata == {"answer": "x"}
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "ok"', r"bad\.jsonl:2: invalid JSON"),
+    ('["not", "an", "object"]', r"bad\.jsonl:2: a row must be a JSON object"),
+    ('{"question": "no prompt key"}', r"bad\.jsonl:2: missing key 'prompt'"),
+    ('{"prompt": 3}', r"bad\.jsonl:2: 'prompt': prompt must be a string"),
+])
+def test_load_jsonl_names_file_and_line(tmp_path, line, message):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [json.dumps({"prompt": "fine"}), line])
+    with pytest.raises(ValueError, match=message):
+        load_jsonl(path)
+
+
+def test_loader_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        load_jsonl(tmp_path / "missing.jsonl")
+    path = _write_jsonl(tmp_path / "m.jsonl", [json.dumps({"msgs": [{"role": "robot", "content": "x"}]})])
+    with pytest.raises(ValueError, match=r"m\.jsonl:1: 'msgs': messages\[0\] has role 'robot'"):
+        load_jsonl(path, prompt_key=None, messages_key="msgs")
+    with pytest.raises(ValueError, match="exactly one of prompt_key"):
+        load_jsonl(path, prompt_key="prompt", messages_key="msgs")
+    with pytest.raises(ValueError, match="unknown format '.csv'"):
+        load_prompts(tmp_path / "p.csv")
+    with pytest.raises(ValueError, match="exactly one of messages"):
+        PromptItem()
+
+
+def test_load_parquet(tmp_path):
+    path = tmp_path / "p.parquet"
+    if importlib.util.find_spec("pyarrow") is None:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match="needs pyarrow"):
+            load_parquet(path)
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
+    assert [(i.prompt, i.metadata) for i in load_parquet(path)] == [("a", {"answer": "1"}), ("b", {"answer": "2"})]
+
+
+# ---------------------------------------------------------------- reasoning-gym prompts
+
+
+def test_from_reasoning_gym_builds_scorable_chat_prompts():
+    items = from_reasoning_gym("basic_arithmetic", size=5, seed=0, system_prompt="Be brief.")
+    assert len(items) == 5
+    first = items[0]
+    assert first.messages[0] == {"role": "system", "content": "Be brief."}
+    assert first.messages[1]["role"] == "user"
+    assert first.messages[1]["content"].startswith(first.metadata["entry"]["question"])
+    assert first.messages[1]["content"].endswith("Give the final answer inside <answer></answer>.")
+    assert first.metadata["answer"] == first.metadata["entry"]["answer"]
+    # The metadata is what the reward needs: the same items score a correct answer 1.
+    reward = ReasoningGymReward("basic_arithmetic")
+    samples = [RewardInput("", f"<answer>{i.metadata['answer']}</answer>", i.metadata) for i in items]
+    assert reward(samples) == [1.0] * 5
+    again = from_reasoning_gym("basic_arithmetic", size=5, seed=0, instruction_template="Q: {question} {x}")
+    assert again[0].messages == [{"role": "user", "content": f"Q: {first.metadata['entry']['question']} {{x}}"}]
+    with pytest.raises(ValueError, match="must contain '{question}'"):
+        from_reasoning_gym("basic_arithmetic", size=5, seed=0, instruction_template="no slot")
+
+
+# ---------------------------------------------------------------- dataset
+
+
+def _take(dataset: PromptDataset, n: int) -> list[list[int]]:
+    return [dataset.next_batch() for _ in range(n)]
+
+
+def test_dataset_epochs_are_deterministic_permutations():
+    items = list(range(10))
+    dataset = PromptDataset(items, batch_size=3, seed=7)
+    assert len(dataset) == 3
+    epoch0, epoch1 = _take(dataset, 3), _take(dataset, 3)
+    assert all(len(b) == 3 for b in epoch0 + epoch1)
+    seen0 = [x for b in epoch0 for x in b]
+    assert len(set(seen0)) == 9  # one item of 10 left over (drop_last)
+    assert epoch0 != epoch1  # reshuffled per epoch
+    assert _take(PromptDataset(items, batch_size=3, seed=7), 6) == epoch0 + epoch1  # same seed, same batches
+    assert _take(PromptDataset(items, batch_size=3, seed=8), 3) != epoch0
+    assert _take(PromptDataset(items, batch_size=3, shuffle=False), 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 2]]
+    tail = PromptDataset(items, batch_size=4, shuffle=False, drop_last=False)
+    assert len(tail) == 3 and _take(tail, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 4, 7])
+def test_dataset_resume_gives_the_same_next_batches(k):
+    items = [f"prompt {i}" for i in range(11)]
+    original = PromptDataset(items, batch_size=4, seed=3)
+    _take(original, k)
+    state = json.loads(json.dumps(original.state_dict()))  # as a checkpoint stores it
+    assert all(type(v) is int for v in state.values())
+    resumed = PromptDataset(items, batch_size=4, seed=3)
+    resumed.load_state_dict(state)
+    assert _take(resumed, 6) == _take(original, 6)
+    assert resumed.state_dict() == original.state_dict()
+
+
+def test_dataset_rejects_mismatched_state():
+    dataset = PromptDataset(list(range(10)), batch_size=2, seed=1)
+    state = dataset.state_dict()
+    with pytest.raises(ValueError, match="num_items is 10 in the checkpoint but 9 now"):
+        PromptDataset(list(range(9)), batch_size=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed is 1 in the checkpoint but 2 now"):
+        PromptDataset(list(range(10)), batch_size=2, seed=2).load_state_dict(state)
+    with pytest.raises(KeyError, match="missing 'position'"):
+        dataset.load_state_dict({k: v for k, v in state.items() if k != "position"})
+    with pytest.raises(ValueError, match="batch_size 11 > 10 prompts"):
+        PromptDataset(list(range(10)), batch_size=11)
+
+
+# ---------------------------------------------------------------- chat template (SmolLM2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # The class AutoTokenizer resolves to for this folder (TokenizersBackend in transformers 5),
+    # named directly: importing AutoTokenizer's registry costs seconds that this test does not need.
+    from transformers import PreTrainedTokenizerFast
+
+    from megarl.models.bundled import smollm2_path
+
+    return PreTrainedTokenizerFast.from_pretrained(smollm2_path())
+
+
+def test_chat_template_prompt_ids(tokenizer):
+    items = from_reasoning_gym("basic_arithmetic", size=3, seed=0)
+    result = tokenize_prompts(tokenizer, items, max_prompt_len=512)
+    assert result.kept == [0, 1, 2] and not result.dropped and not result.truncated
+    text = tokenizer.decode(result.ids[1])
+    assert text.startswith("<|im_start|>system\n")  # SmolLM2's template adds its default system prompt
+    assert items[1].metadata["entry"]["question"] in text
+    assert text.endswith("<answer></answer>.<|im_end|>\n<|im_start|>assistant\n")  # generation prompt
+    assert text.count("<|im_start|>") == 3  # template's special tokens once: no extra BOS
+    plain = tokenize_prompts(tokenizer, [PromptItem(prompt=items[1].messages[0]["content"])], 512)
+    assert plain.ids == [result.ids[1]]  # plain text goes in as one user message
+    raw = tokenize_prompts(tokenizer, [PromptItem(prompt="2+2=")], 512, use_chat_template=False)
+    assert tokenizer.decode(raw.ids[0]) == "2+2="
+
+
+def test_overlong_prompts(tokenizer):
+    items = [PromptItem(prompt="hi"), PromptItem(prompt="word " * 200), PromptItem(prompt="yo")]
+    limit = len(tokenize_prompts(tokenizer, items[:1], 512).ids[0]) + 2
+    with pytest.raises(ValueError, match=rf"prompt 1 has \d+ tokens > max_prompt_len {limit}"):
+        tokenize_prompts(tokenizer, items, limit)
+    filtered = tokenize_prompts(tokenizer, items, limit, overlong="filter")
+    assert filtered.kept == [0, 2] and filtered.dropped == [1]
+    cut = tokenize_prompts(tokenizer, items, limit, overlong="truncate_left")
+    assert cut.truncated == [1] and len(cut.ids[1]) == limit
+    assert tokenizer.decode(cut.ids[1]).endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="overlong must be one of"):
+        tokenize_prompts(tokenizer, items, limit, overlong="drop")
+
+
+# ---------------------------------------------------------------- batching
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_microbatches_respect_budget_and_cover_once(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 60))]
+    budget = 1024
+    groups = token_budget_microbatches(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) * max(lengths[i] for i in g) <= budget for g in groups)
+    assert groups == token_budget_microbatches(lengths, budget)  # deterministic
+    # Greedy closes a group only when the next sample would not fit.
+    for group, following in zip(groups, groups[1:], strict=False):
+        assert (len(group) + 1) * lengths[group[0]] > budget or not following
+
+
+def test_microbatch_examples_and_errors():
+    assert token_budget_microbatches([4, 8, 4, 2, 8], 16) == [[1, 4], [0, 2, 3]]
+    assert token_budget_microbatches([], 16) == []
+    with pytest.raises(ValueError, match="sample 2 has 17 tokens > max_tokens 16"):
+        token_budget_microbatches([1, 2, 17], 16)
+
+
+def test_pack_round_trips():
+    rng = random.Random(0)
+    seqs = [[rng.randrange(1000) for _ in range(rng.randint(1, 50))] for _ in range(40)]
+    packed = pack_sequences(seqs, max_len=64)
+    assert packed.unpack() == seqs
+    assert sorted(i for row in packed.seq_index for i in row) == list(range(40))
+    for row, cu in zip(packed.tokens, packed.cu_seqlens, strict=True):
+        assert cu[0] == 0 and cu[-1] == len(row) <= 64
+    positions = packed.position_ids()
+    assert [len(p) for p in positions] == [len(r) for r in packed.tokens]
+    assert sum(p.count(0) for p in positions) == 40  # one restart per sequence
+    # First fit: no sequence of a later row would fit into an earlier one (rows only grow).
+    for r, cu in enumerate(packed.cu_seqlens):
+        for later in packed.seq_index[r + 1:]:
+            assert all(cu[-1] + len(seqs[i]) > 64 for i in later)
+    small = pack_sequences([[1, 2], [3, 4, 5], [6]], max_len=4)
+    assert small.tokens == [[3, 4, 5, 6], [1, 2]] and small.cu_seqlens == [[0, 3, 4], [0, 2]]
+    with pytest.raises(ValueError, match="sequence 1 has 5 tokens > max_len 4"):
+        pack_sequences([[1], [1, 2, 3, 4, 5]], max_len=4)
+    with pytest.raises(ValueError, match="sequence 0 is empty"):
+        pack_sequences([[]], max_len=4)
+
+
+def test_pad_right():
+    tokens, mask = pad_right([[5, 6, 7], [8], []], pad_id=0)
+    assert tokens.tolist() == [[5, 6, 7], [8, 0, 0], [0, 0, 0]]
+    assert mask.dtype == torch.bool and mask.tolist() == [[True] * 3, [True, False, False], [False] * 3]
+    tokens, mask = pad_right([[1, 2]], pad_id=9, pad_to=4)
+    assert tokens.tolist() == [[1, 2, 9, 9]] and mask.sum().item() == 2
+    with pytest.raises(ValueError, match="pad_to 1 is shorter"):
+        pad_right([[1, 2]], pad_id=0, pad_to=1)
