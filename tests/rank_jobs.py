@@ -191,3 +191,33 @@ def restore_send() -> None:
     from megarl.reshard import actor_fns, transport
 
     actor_fns.run_fragment = transport.run_fragment
+
+
+# --- vocab-parallel log-probabilities and entropy --------------------------------------------
+
+
+def vocab_parallel_vs_naive(tp: int, vocab: int, padded: int) -> dict | None:
+    """Log-probs, entropy and their gradients from TP-local logits vs the full-vocabulary math."""
+    from megarl.models.logprobs import token_entropy, token_logprobs
+
+    with megatron_parallel(ParallelConfig(tp=tp, world_size=dist.get_world_size())) as info:
+        g = torch.Generator().manual_seed(0)
+        full = torch.randn(3, 7, padded, generator=g) * 3
+        labels = torch.randint(0, vocab, (3, 7), generator=g)
+        w_lp, w_ent = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+        local = full.chunk(tp, dim=-1)[info.tp_rank].clone().requires_grad_(True)
+        before = local.detach().clone()
+        lp = token_logprobs(local, labels, vocab)
+        # megatron's cross-entropy works in place: the caller's logits must come back untouched
+        assert torch.equal(local.detach(), before), "token_logprobs modified its input"
+        ent = token_entropy(local, vocab)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+
+        naive = full.clone().requires_grad_(True)
+        logp = torch.log_softmax(naive[..., :vocab], dim=-1)
+        lp_naive = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        ent_naive = -(logp.exp() * logp).sum(-1)
+        ((lp_naive * w_lp).sum() + (ent_naive * w_ent).sum()).backward()
+        expected_grad = naive.grad.chunk(tp, dim=-1)[info.tp_rank]
+        return {"logprob": (lp - lp_naive).abs().max().item(), "entropy": (ent - ent_naive).abs().max().item(),
+                "grad": (local.grad - expected_grad).abs().max().item()}

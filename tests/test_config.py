@@ -111,7 +111,7 @@ def test_yaml_file_and_dotted_overrides_build_nested_dataclasses(tmp_path):
     assert isinstance(cfg.reference, RoleConfig)
     assert cfg.reference.model.path == "/models/ref"
     assert cfg.reference.parallel.tp == 1  # defaults fill the rest of the section
-    assert cfg.critic is None and cfg.reward is None
+    assert cfg.critic is None and cfg.reward_model is None
     assert list(cfg.roles()) == ["actor", "reference"]
 
 
@@ -123,7 +123,7 @@ def test_override_creates_missing_nested_sections():
     assert isinstance(cfg.critic, RoleConfig)
     assert cfg.critic.parallel.pp == 2
     assert cfg.critic.model.path == ""
-    assert cfg.reward is None
+    assert cfg.reward_model is None
 
 
 def test_override_replaces_a_null_section_from_the_file(tmp_path):
@@ -178,7 +178,8 @@ def test_unknown_override_key_names_the_dotted_key_and_suggests():
 
 def test_unknown_key_lists_known_keys_when_nothing_is_close():
     with pytest.raises(ConfigError, match=r"unknown key 'actor\.zzzz'; known keys here: "
-                                          r"model, parallel, precision$"):
+                                          r"model, parallel, precision, optim, micro_batch_size, "
+                                          r"colocate_with, cpus_per_rank, gpus_per_rank$"):
         load_config(RunConfig, None, ["actor.zzzz=1"])
 
 

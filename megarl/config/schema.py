@@ -59,15 +59,112 @@ class ModelConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0  # linear warm-up of the learning rate, in optimizer steps
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
 class RoleConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)  # trained roles only
+    micro_batch_size: int = 8  # sequences per forward/backward micro-batch
+    # Placement: None gives the role its own bundles (disaggregated); the name of another
+    # role puts its ranks on that role's bundles (colocated).
+    colocate_with: str | None = None
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 1.0  # ignored on CPU
+
+
+@dataclass
+class RolloutConfig:
+    tp: int = 1
+    engines: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    kv_cache_gib: int = 1  # CPU only
+    gpu_memory_utilization: float = 0.6  # GPU only
+    colocate_with: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 128  # response length
+    n: int = 4  # samples per prompt (the GRPO group size)
+
+
+@dataclass
+class DataConfig:
+    # "reasoning_gym:<task>" (generated offline by the reasoning-gym package) or a JSONL file
+    source: str = "reasoning_gym:basic_arithmetic"
+    task_config: dict = field(default_factory=dict)  # reasoning-gym dataset options
+    size: int = 1000  # reasoning-gym: prompts generated
+    prompt_key: str = "prompt"  # JSONL: the field holding the prompt
+    instruction: str = ""  # reasoning-gym: template with {question}; empty: the package default
+    system_prompt: str | None = None
+    prompts_per_step: int = 16
+    max_prompt_len: int = 512
+    seed: int = 0
+
+
+@dataclass
+class RewardTermConfig:
+    kind: str = "reasoning_gym"  # reasoning_gym | math_verify | format | remote | model
+    weight: float = 1.0
+    extractor: str = "answer_tag"
+    url: str = ""  # remote
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    max_concurrency: int = 4
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # grpo | rloo | reinforce_pp | ppo
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False  # else a KL term in the policy loss
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    aggregation: str = "token-mean"
+    norm_std: bool = True  # GRPO: divide by the group's std
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float | None = 0.2
+    ppo_epochs: int = 1
+    minibatches: int = 1  # optimizer steps per epoch
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens (0: off)
+    overlong_penalty: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    save_every: int = 0  # 0: only at the end
+    resume: str = "auto"  # auto: continue from the run directory's last checkpoint; never
+    verify_sync: str = "first"  # first | every | never: check vLLM logprobs against the actor's
+    verify_tolerance: float = 1e-3
+    bucket_mib: float = 256.0
+    tensorboard: bool = True
+    wandb: bool = True  # used only when wandb is installed
+    step_timeout_s: float = 1800.0
+    collective_timeout_s: float = 60.0
 
 
 @dataclass
 class RunConfig:
-    """A run: the roles that hold Megatron models. Roles left without a model path are unused."""
+    """A run: its roles (Megatron groups and vLLM), data, rewards and algorithm."""
 
     name: str = "megarl"
     output_dir: str = "runs/megarl"
@@ -75,9 +172,14 @@ class RunConfig:
     actor: RoleConfig = field(default_factory=RoleConfig)
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
-    reward: RoleConfig | None = None
+    reward_model: RoleConfig | None = None
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def roles(self) -> dict[str, RoleConfig]:
         named = {"actor": self.actor, "reference": self.reference,
-                 "critic": self.critic, "reward": self.reward}
+                 "critic": self.critic, "reward_model": self.reward_model}
         return {name: role for name, role in named.items() if role is not None}

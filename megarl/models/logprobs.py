@@ -29,6 +29,32 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
     """log p(labels) [...] from TP-local logits [..., vocab/tp], differentiable."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    # megatron's kernel views its input flat: callers' slices (logits[:, :-1]) must be copied
-    masked = mask_padded_vocab(logits.float(), vocab_size).contiguous()
+    masked = mask_padded_vocab(logits.float(), vocab_size)
+    # megatron's kernel works in place on its input (subtracts the max, exponentiates) and
+    # views it flat: it must get a private, contiguous copy, never the caller's logits.
+    if masked.data_ptr() == logits.data_ptr() or not masked.is_contiguous():
+        masked = masked.clone(memory_format=torch.contiguous_format)
     return -vocab_parallel_cross_entropy(masked, labels.contiguous())
+
+
+def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Entropy [...] of the softmax over the real vocabulary, from TP-local logits [..., vocab/tp].
+
+    H = log Z - E_p[logit]: the max and the two sums are all-reduced over the
+    tensor-parallel group, so no rank ever holds more than its slice of the vocabulary.
+    Differentiable: the sums' all-reduce passes gradients straight through.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    masked = mask_padded_vocab(logits.float(), vocab_size)
+    # The max only stabilises the exponentials; it carries no gradient.
+    shift = masked.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_tensor_model_parallel_group())
+    shifted = masked - shift
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    sum_exp_logit = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
+    return sum_exp.log() - sum_exp_logit / sum_exp
