@@ -18,7 +18,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megarl", "megarl.*"]),
     include_package_data=True,
-    package_data={"megarl": ["py.typed"]},
+    package_data={"megarl": ["py.typed"], "megarl.recipes": ["*.yaml"]},
     install_requires=[
         TORCH,
         MEGATRON_CORE,

@@ -97,6 +97,31 @@ def _scenario_moe_split_sizes(dense: str, moe: str) -> None:
     _scenario_forward(moe, ParallelConfig(ep=2, world_size=2))
 
 
+def _scenario_adam_step_state(dense: str, moe: str) -> None:
+    """Save and reload a distributed-optimizer checkpoint (torch Adam, fully reshardable)."""
+    import os
+    import shutil
+
+    from megarl.config.schema import OptimizerConfig
+    from megarl.workers import checkpoint_fns, megatron_model
+
+    directory = f"/tmp/megarl-shim-adam-{os.environ['MASTER_PORT']}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+    dist.barrier()
+    try:
+        megatron_model.load("shim", dense, ParallelConfig(tp=2, world_size=2))
+        megatron_model.lm_train_step("shim", torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0)))
+        checkpoint_fns.save("shim", directory, dense)
+        checkpoint_fns.load("shim", directory, optim=vars(OptimizerConfig()))
+    finally:
+        megatron_model.unload("shim")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def shim_check(name: str, dense: str, moe: str) -> dict[str, str | None]:
     """Runs the scenario of shim ``name`` without it (expecting a failure), then with it."""
     from megarl.platform import cpu_shims, init_megatron_runtime

@@ -376,8 +376,10 @@ def test_world_size_must_match_dp(llama_dir):
 
 
 def test_world_size_matching_dp_is_valid(llama_dir):
-    # 2*1*1*3 = 6
-    assert "actor" in validate_run(actor_run(llama_dir, world_size=6, tp=2, dp=3), CPU)
+    # 2*1*1*3 = 6; the step's sequences must also split over the 3 data-parallel ranks
+    cfg = actor_run(llama_dir, world_size=6, tp=2, dp=3)
+    cfg.data.prompts_per_step, cfg.rollout.n, cfg.actor.micro_batch_size = 6, 4, 8
+    assert "actor" in validate_run(cfg, CPU)
 
 
 def test_world_size_must_be_a_multiple_of_model_parallel(llama_dir):

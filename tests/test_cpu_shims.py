@@ -19,6 +19,7 @@ EXPECTED = {
     "cuda_tensor_type": ("AssertionError", "", "megatron/core/optimizer/clip_grads.py"),
     "torch_norm_sequence_parallel": ("AssertionError", "sequence parallel not supported",
                                      "megatron/core/transformer/torch_norm.py"),
+    "adam_step_state": ("KeyError", "'step'", "megatron/core/optimizer/distrib_optimizer.py"),
     "cuda_streams": ("RuntimeError", "requires CUDA", "megatron/core/transformer/moe/token_dispatcher.py"),
     "moe_te_names": ("NameError", "te_general_gemm", "megatron/core/transformer/moe/moe_utils.py"),
     "moe_split_sizes": ("TypeError", "all_to_all_single", "megatron/core/tensor_parallel/mappings.py"),

@@ -12,6 +12,7 @@ from megarl import __version__
 def build_parser() -> argparse.ArgumentParser:
     from megarl.bench import cli as bench_cli
     from megarl.cli import demo
+    from megarl.cli import train as train_cli
     from megarl.convert import cli as convert_cli
 
     parser = argparse.ArgumentParser(
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"megarl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train_cli.add_parser(sub)
     convert_cli.add_parser(sub)
     bench_cli.add_parser(sub)
     demo.add_parser(sub)

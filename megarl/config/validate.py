@@ -115,6 +115,72 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += precision_errors(role.precision, f"{name}.precision", platform)
         if role.model.vocab_pad_multiple < 1:
             errors.append(f"{name}.model.vocab_pad_multiple must be >= 1")
+    if "actor" in archs and not errors:  # the RL checks assume sane layouts (dp > 0)
+        errors += rl_errors(cfg, archs["actor"])
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return archs
+
+
+def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
+    """Algorithm, rewards, rollout, data and batch sizes that cannot run together."""
+    from pathlib import Path
+
+    from megarl.algorithms import AGGREGATION_MODES, KL_ESTIMATORS
+    from megarl.cluster.placement import placement_errors
+    from megarl.reshard.vllm_layout import vllm_padded_vocab
+    from megarl.trainer.advantages import ALGORITHMS
+    from megarl.trainer.rewards import REWARD_KINDS
+
+    algo, rollout, data, errors = cfg.algorithm, cfg.rollout, cfg.data, []
+    if algo.name not in ALGORITHMS:
+        errors.append(f"algorithm.name={algo.name!r} must be one of {', '.join(ALGORITHMS)}")
+    if algo.name == "ppo" and cfg.critic is None:
+        errors.append("algorithm.name='ppo' needs a critic role (critic.model.path, or a reward_model to start from)")
+    if algo.name in ("grpo", "rloo") and rollout.n < 2:
+        errors.append(f"rollout.n={rollout.n}: {algo.name} compares samples of a prompt, it needs n >= 2")
+    if algo.aggregation not in AGGREGATION_MODES:
+        errors.append(f"algorithm.aggregation={algo.aggregation!r} must be one of {', '.join(AGGREGATION_MODES)}")
+    if algo.kl_estimator not in KL_ESTIMATORS:
+        errors.append(f"algorithm.kl_estimator={algo.kl_estimator!r} must be one of {', '.join(KL_ESTIMATORS)}")
+    if algo.kl_coef > 0 and cfg.reference is None:
+        errors.append(f"algorithm.kl_coef={algo.kl_coef} needs a reference role")
+    for i, term in enumerate(cfg.rewards):
+        if term.kind not in REWARD_KINDS:
+            errors.append(f"rewards[{i}].kind={term.kind!r} must be one of {', '.join(REWARD_KINDS)}")
+        if term.kind == "model" and cfg.reward_model is None:
+            errors.append(f"rewards[{i}].kind='model' needs a reward_model role")
+        if term.kind == "remote" and not term.url:
+            errors.append(f"rewards[{i}].url is required for a remote reward")
+    if not cfg.rewards:
+        errors.append("rewards: at least one reward term is needed")
+    if actor.num_heads % rollout.tp or vllm_padded_vocab(actor.vocab_size) % rollout.tp:
+        errors.append(f"rollout.tp={rollout.tp} does not divide the attention heads ({actor.num_heads}) or vLLM's "
+                      f"padded vocabulary ({vllm_padded_vocab(actor.vocab_size)})")
+    if rollout.engines < 1 or data.prompts_per_step < rollout.engines:
+        errors.append(f"rollout.engines={rollout.engines} must be >= 1 and <= data.prompts_per_step")
+    if data.max_prompt_len + rollout.max_tokens > rollout.max_model_len:
+        errors.append(f"data.max_prompt_len + rollout.max_tokens = {data.max_prompt_len + rollout.max_tokens} "
+                      f"exceeds rollout.max_model_len={rollout.max_model_len}")
+    sequences = data.prompts_per_step * rollout.n
+    for name, role in cfg.roles().items():
+        dp = role.parallel.data_parallel_size
+        per_rank = sequences // dp if sequences % dp == 0 else None
+        steps = algo.minibatches if name in ("actor", "critic") else 1
+        if per_rank is None or per_rank % (steps * role.micro_batch_size):
+            errors.append(f"{name}: {sequences} sequences per step (data.prompts_per_step x rollout.n) must split "
+                          f"over dp={dp} ranks into {steps} minibatch(es) of micro_batch_size="
+                          f"{role.micro_batch_size}")
+    if data.source.startswith("reasoning_gym:"):
+        import reasoning_gym
+
+        task = data.source.split(":", 1)[1]
+        if task not in reasoning_gym.factory.DATASETS:
+            errors.append(f"data.source: reasoning-gym has no task {task!r}")
+    elif not Path(data.source).is_file():
+        errors.append(f"data.source: {data.source} does not exist")
+    if cfg.trainer.verify_sync not in ("first", "every", "never"):
+        errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
+    if cfg.trainer.resume not in ("auto", "never"):
+        errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
+    return errors + placement_errors(cfg)

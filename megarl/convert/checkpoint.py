@@ -66,13 +66,14 @@ def write_meta(ckpt_dir: str | Path, arch: ModelArch, padded_vocab: int, dtype: 
     write_text_atomic(Path(ckpt_dir) / META_FILE, json.dumps(meta, indent=2))
 
 
-def _sharded_state_dict(chunks: list) -> dict:
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+def model_sharded_state_dict(chunks: list) -> dict:
+    bare = [getattr(chunk, "module", chunk) for chunk in chunks]  # megatron DDP wraps the model
+    if len(bare) == 1:
+        return {"model": bare[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(bare)}
 
 
-def _forked_write_results_queue() -> None:
+def forked_write_results_queue() -> None:
     """Gives megatron-core's checkpoint writer its results queue from a *forked* Manager.
 
     megatron-core creates this queue on the first save with a spawned Manager, which
@@ -92,15 +93,15 @@ def save_model(chunks: list, ckpt_dir: str | Path) -> None:
     """Collective: every rank writes its shards of ``chunks`` into ``ckpt_dir``."""
     from megatron.core import dist_checkpointing
 
-    _forked_write_results_queue()
-    dist_checkpointing.save(_sharded_state_dict(chunks), str(ckpt_dir))
+    forked_write_results_queue()
+    dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
 
 
 def load_model(chunks: list, ckpt_dir: str | Path) -> None:
     """Collective: fills ``chunks`` from ``ckpt_dir`` at whatever layout they were built."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(ckpt_dir))
+    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(ckpt_dir))
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys, strict=True):
-        chunk.load_state_dict(loaded[key], strict=True)
+        getattr(chunk, "module", chunk).load_state_dict(loaded[key], strict=True)

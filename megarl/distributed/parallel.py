@@ -50,7 +50,7 @@ def rank_info() -> RankInfo:
 
 
 @contextlib.contextmanager
-def megatron_parallel(par: ParallelConfig, seed: int = 1234) -> Iterator[RankInfo]:
+def megatron_parallel(par: ParallelConfig, seed: int = 1234, timeout_minutes: int = 30) -> Iterator[RankInfo]:
     """Initialises megatron-core's parallel groups for ``par`` over all ranks of the job."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -67,6 +67,7 @@ def megatron_parallel(par: ParallelConfig, seed: int = 1234) -> Iterator[RankInf
             virtual_pipeline_model_parallel_size=par.vpp,
             context_parallel_size=par.cp,
             expert_model_parallel_size=par.ep,
+            distributed_timeout_minutes=timeout_minutes,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         yield rank_info()

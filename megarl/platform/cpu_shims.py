@@ -211,6 +211,35 @@ def _apply_torch_norm_sequence_parallel() -> Callable[[], None]:
     return undo
 
 
+# --- adam_step_state ----------------------------------------------------------------------
+
+
+def _apply_adam_step_state() -> Callable[[], None]:
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        # torch.optim.Adam keeps a per-parameter 'step' tensor that megatron stores in the
+        # param groups instead; copy the keys the checkpoint has and leave 'step' alone.
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in destination.items():
+            if key in tensors:
+                value.copy_(tensors[key])
+
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+    def undo() -> None:
+        cls._set_main_param_and_optimizer_states = original
+
+    return undo
+
+
 # --- cuda_streams (MoE all-to-all dispatcher) -------------------------------------------
 
 
@@ -366,6 +395,13 @@ SHIMS: dict[str, Shim] = {
             "transformer/torch_norm.py WrappedTorchNorm: 'AssertionError: sequence parallel "
             "not supported by torch LayerNorm' with the local spec and sequence_parallel=True",
             _apply_torch_norm_sequence_parallel,
+        ),
+        Shim(
+            "adam_step_state",
+            "optimizer/distrib_optimizer.py _set_main_param_and_optimizer_states: "
+            "\"KeyError: 'step'\" loading a fully_reshardable distributed-optimizer "
+            "checkpoint with torch Adam (no Apex/TE, i.e. every CPU run)",
+            _apply_adam_step_state,
         ),
         Shim(
             "cuda_streams",

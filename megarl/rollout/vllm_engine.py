@@ -28,7 +28,7 @@ def _cpu_environment(kv_cache_gib: int) -> None:
 class VLLMEngine:
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
-                 gpu_memory_utilization: float = 0.6):
+                 gpu_memory_utilization: float = 0.6, load_format: str = "auto"):
         platform = current_platform()
         if not platform.is_gpu:
             _cpu_environment(kv_cache_gib)
@@ -43,6 +43,9 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
             distributed_executor_backend="mp", worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=True,
+            # "dummy": start from random weights that the first weight sync overwrites (a
+            # megarl checkpoint has no HF weights for vLLM to read).
+            load_format=load_format,
             **({"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
                if platform.is_gpu else {}),
         )

@@ -44,6 +44,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 from megarl.workers.state import RankContext, current_rank, set_current_rank, state
@@ -114,7 +115,7 @@ def _free_port() -> int:
 
 
 def _init_distributed(master_addr: str, master_port: int, local_rank: int, local_world_size: int,
-                      node_ip: str, threads: int | None) -> None:
+                      node_ip: str, threads: int | None, collective_timeout_s: float | None = None) -> None:
     """Joins this rank to the group's torch.distributed group with the platform's backend."""
     import torch
     import torch.distributed as dist
@@ -136,7 +137,9 @@ def _init_distributed(master_addr: str, master_port: int, local_rank: int, local
     if platform.is_gpu:
         # Ray narrows CUDA_VISIBLE_DEVICES to the rank's GPU(s) when it assigns some.
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(platform.backend, rank=ctx.rank, world_size=ctx.world_size)
+    # A bounded timeout turns a collective whose peer hung into an error on this rank.
+    timeout = {"timeout": timedelta(seconds=collective_timeout_s)} if collective_timeout_s else {}
+    dist.init_process_group(platform.backend, rank=ctx.rank, world_size=ctx.world_size, **timeout)
     set_current_rank(replace(ctx, local_rank=local_rank, local_world_size=local_world_size,
                                         node_ip=node_ip))
 
@@ -221,7 +224,8 @@ class WorkerGroup:
     def __init__(self, role: str, world_size: int, *, num_cpus_per_rank: float = 1,
                  num_gpus_per_rank: float = 0, env: Mapping[str, str] | None = None,
                  placement_group: Any = None, bundle_offset: int = 0, pythonpath: Sequence[str] = (),
-                 threads_per_rank: int | None = None, start_timeout_s: float = 300) -> None:
+                 threads_per_rank: int | None = None, start_timeout_s: float = 300,
+                 collective_timeout_s: float | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         from megarl.cluster.ray_env import ensure_ray
@@ -242,9 +246,10 @@ class WorkerGroup:
         deadline = time.monotonic() + start_timeout_s
         self.addresses: list[RankAddress] = self._collect(
             self._send(range(world_size), _where, {}), "start-up", start_timeout_s, starting=True)
-        self._join_process_group(threads_per_rank, deadline)
+        self._join_process_group(threads_per_rank, deadline, collective_timeout_s)
 
-    def _join_process_group(self, threads_per_rank: int | None, deadline: float) -> None:
+    def _join_process_group(self, threads_per_rank: int | None, deadline: float,
+                            collective_timeout_s: float | None) -> None:
         """Rank 0 picks the rendezvous port on its node; every rank then joins with its node-local rank."""
         [port] = self._collect(self._send([0], _free_port, {}), "start-up (port)",
                                max(0.0, deadline - time.monotonic()), starting=True)
@@ -256,7 +261,8 @@ class WorkerGroup:
             local = node_ranks[address.node_id]
             refs[rank] = self._actors[rank].call.remote(_init_distributed, dict(
                 master_addr=self.addresses[0].node_ip, master_port=port, local_rank=local.index(rank),
-                local_world_size=len(local), node_ip=address.node_ip, threads=threads_per_rank))
+                local_world_size=len(local), node_ip=address.node_ip, threads=threads_per_rank,
+                collective_timeout_s=collective_timeout_s))
         self._collect(refs, "init_process_group", max(0.0, deadline - time.monotonic()), starting=True)
 
     def _start_actor(self, rank: int, env: Mapping[str, str] | None, placement_group: Any,

@@ -35,7 +35,7 @@ def held(key: str) -> HeldModel:
 
 
 def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32", value_head: bool = False,
-         seed: int = 1234) -> dict:
+         seed: int = 1234, timeout_minutes: int = 30) -> dict:
     """Builds the model at ``parallel`` and fills it from an HF folder or a megarl checkpoint."""
     from megarl.convert.checkpoint import is_megarl_checkpoint, load_model
     from megarl.convert.hf_io import HFReader
@@ -47,7 +47,7 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
     if key in state:
         unload(key)
     path = str(resolve_model_path(source))
-    context = megatron_parallel(parallel, seed=seed)
+    context = megatron_parallel(parallel, seed=seed, timeout_minutes=timeout_minutes)
     info = context.__enter__()
     try:
         if is_megarl_checkpoint(path):

@@ -119,7 +119,7 @@ def scores(key: str, batch: dict[str, Any], micro_batch_size: int):
 # --- updates ------------------------------------------------------------------------------
 
 
-def _ensure_optimizer(model: HeldModel, optim: dict) -> None:
+def ensure_optimizer(model: HeldModel, optim: dict) -> None:
     from megarl.models.train import OptimConfig, build_optimizer, wrap_ddp
 
     if model.optimizer is None:
@@ -148,7 +148,7 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
     from megarl.models.train import train_step
 
     model = held(key)
-    _ensure_optimizer(model, optim)
+    ensure_optimizer(model, optim)
     shard = _shard(model, batch)
     n = shard["tokens"].shape[0]
     if n % minibatches:

@@ -1,0 +1,69 @@
+"""One step's samples as tensors, aligned for next-token log-probabilities.
+
+A sequence is prompt + response, right-padded to the batch's longest. Token-level
+tensors ([B, L-1]) are indexed by *label position* k, the prediction of token
+k+1 from tokens <= k; ``mask`` marks the positions whose label is a response
+token. Samples of one prompt are consecutive (the GRPO group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.rollout.sampling import RolloutSample
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor  # [B, L] long
+    seq_lens: torch.Tensor  # [B]
+    prompt_lens: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, L-1] float: label position holds a response token
+    rollout_logprobs: torch.Tensor  # [B, L-1]: the engine's log-probs of the sampled tokens
+    finish_reasons: list[str]
+    group_size: int
+    prompt_index: list[int]  # which prompt of the step each sample answers
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # logprobs, values, advantages, ...
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def response_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.prompt_lens
+
+    def to_workers(self, *names: str) -> dict:
+        """The tensors the rank functions need, as a plain dict."""
+        out = {"tokens": self.tokens, "mask": self.mask, "seq_lens": self.seq_lens}
+        for name in names:
+            out[name] = self.fields[name]
+        return out
+
+
+def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1) -> RolloutBatch:
+    """Pads every prompt+response to one length (a multiple of ``pad_to_multiple``)."""
+    samples = [s for group in groups for s in group]
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"every prompt needs the same number of samples, got {sorted(sizes)}")
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    width = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    batch, labels = len(samples), width - 1
+    tokens = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, labels)
+    rollout_lp = torch.zeros(batch, labels)
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        start, stop = len(s.prompt_ids) - 1, len(seq) - 1  # label positions of the response tokens
+        mask[i, start:stop] = 1.0
+        if s.logprobs:
+            rollout_lp[i, start:stop] = torch.tensor(s.logprobs)
+    return RolloutBatch(
+        tokens=tokens, seq_lens=torch.tensor(lengths), prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
+        mask=mask, rollout_logprobs=rollout_lp, finish_reasons=[s.finish_reason for s in samples],
+        group_size=sizes.pop(), prompt_index=[g for g, group in enumerate(groups) for _ in group],
+    )

@@ -1,0 +1,90 @@
+"""The RL loop: generate, score, estimate advantages, update, sync. One screen."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megarl.config.schema import RunConfig
+from megarl.trainer.advantages import estimate
+from megarl.trainer.run import Run, step_metrics
+from megarl.workers.rl_fns import train_policy, train_value
+
+
+def train(cfg: RunConfig) -> list[dict]:
+    run = Run(cfg).build()
+    try:
+        start = run.resume()
+        log = run.logger(resume_step=start)
+        actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
+        for run.step in range(start + 1, cfg.trainer.steps + 1):
+            began = time.perf_counter()
+            with run.phase("rollout"):
+                batch, texts = run.generate()
+            with run.phase("reward"):
+                scores, parts = run.score(batch, texts)
+            with run.phase("reference"):
+                ref = reference.logprobs(batch) if reference else None
+            with run.phase("actor_logprobs"):
+                old = actor.logprobs(batch, entropy=True)
+            with run.phase("critic_values"):
+                values = critic.values(batch) if critic else None
+            with run.phase("advantages"):
+                est = estimate(cfg.algorithm, scores, batch.mask, batch.group_size, old["logprobs"], ref, values)
+                verified = run.verify_sync(batch)
+            run.rollout_sleep()
+            with run.phase("actor_update"):
+                metrics = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
+            if critic:
+                with run.phase("critic_update"):
+                    metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)
+            with run.phase("weight_sync"):
+                run.update_weights()
+            metrics |= step_metrics(batch, scores, parts, old, est, batch.rollout_logprobs) | verified
+            metrics |= timing(run, batch, time.perf_counter() - began)
+            log.log(run.step, metrics)
+            if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
+                run.save()
+        run.save()
+        plots = log.close()
+        print(f"done: {cfg.trainer.steps} steps; metrics in {log.path}; plots: {', '.join(map(str, plots))}")
+        return log.history()
+    finally:
+        run.shutdown()
+
+
+def policy_batch(batch, est, old, ref, cfg) -> dict:
+    out = {"tokens": batch.tokens, "mask": est["mask"], "advantages": est["advantages"],
+           "old_logprobs": old["logprobs"],
+           "denoms": denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
+    if ref is not None:
+        out["ref_logprobs"] = ref
+    return out
+
+
+def value_batch(batch, est, values, cfg) -> dict:
+    return {"tokens": batch.tokens, "mask": est["mask"], "old_values": values, "returns": est["returns"],
+            "denoms": denominators(est["mask"], cfg, cfg.critic.parallel.data_parallel_size)}
+
+
+def denominators(mask, cfg, dp: int) -> list[float]:
+    """Each minibatch's global normaliser (its response tokens, or its sequences). Ranks split
+    the batch over data-parallel shards first, then each shard into minibatches: minibatch m
+    is the m-th slice of every shard."""
+    minibatches = cfg.algorithm.minibatches
+    out = []
+    for m in range(minibatches):
+        part = torch.cat([shard.chunk(minibatches)[m] for shard in mask.chunk(dp)])
+        count = part.sum() if cfg.algorithm.aggregation == "token-mean" else (part.sum(1) > 0).sum()
+        out.append(max(float(count), 1.0))
+    return out
+
+
+def timing(run: Run, batch, step_seconds: float) -> dict[str, float]:
+    generated = float(batch.response_lens.sum())
+    out = {f"time/{name}_s": seconds for name, seconds in run.phase_times.items()}
+    out["time/step_s"] = step_seconds
+    out["throughput/tokens_per_s"] = generated / step_seconds
+    out["throughput/generation_tokens_per_s"] = generated / max(run.phase_times.get("rollout", 0.0), 1e-9)
+    return out

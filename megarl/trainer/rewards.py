@@ -1,0 +1,56 @@
+"""The run's reward: weighted terms from the config, scored on decoded samples.
+
+Rule-based and remote terms score text; a ``model`` term is the reward model's
+score (a Megatron inference group), computed by the driver and passed in.
+Every term is also returned on its own, so each can be logged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.config.schema import RewardTermConfig
+from megarl.rewards.base import RewardInput
+
+REWARD_KINDS = ("reasoning_gym", "math_verify", "format", "remote", "model")
+
+
+def build_term(term: RewardTermConfig):
+    from megarl.rewards.remote import RemoteReward
+    from megarl.rewards.rule import FormatReward, MathVerifyReward, ReasoningGymReward
+
+    if term.kind == "reasoning_gym":
+        return ReasoningGymReward(dataset_name=None, extractor=term.extractor)
+    if term.kind == "math_verify":
+        return MathVerifyReward(extractor=term.extractor)
+    if term.kind == "format":
+        return FormatReward(extractor=term.extractor)
+    if term.kind == "remote":
+        return RemoteReward(term.url, timeout_s=term.timeout_s, max_retries=term.max_retries,
+                            max_concurrency=term.max_concurrency)
+    raise ValueError(f"reward kind {term.kind!r} must be one of {', '.join(REWARD_KINDS)}")
+
+
+class RunReward:
+    def __init__(self, terms: list[RewardTermConfig]):
+        self.terms = terms
+        self.functions = {i: build_term(t) for i, t in enumerate(terms) if t.kind != "model"}
+
+    @property
+    def needs_model(self) -> bool:
+        return any(t.kind == "model" for t in self.terms)
+
+    def score(self, inputs: list[RewardInput], model_scores: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Weighted sum [B] and each term's unweighted values, named ``reward/<kind>``."""
+        total = torch.zeros(len(inputs))
+        parts: dict[str, torch.Tensor] = {}
+        for i, term in enumerate(self.terms):
+            if term.kind == "model":
+                values = model_scores
+            else:
+                values = torch.tensor(self.functions[i](inputs), dtype=torch.float32)
+            name = f"reward/{term.kind}" if f"reward/{term.kind}" not in parts else f"reward/{term.kind}{i}"
+            parts[name] = values
+            total += term.weight * values
+        return total, parts

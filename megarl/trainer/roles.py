@@ -1,0 +1,65 @@
+"""The driver's handle on a Megatron role: its WorkerGroup, config, and model key."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from megarl.config.schema import AlgorithmConfig, RoleConfig
+from megarl.trainer.batch import RolloutBatch
+from megarl.workers import checkpoint_fns, megatron_model, rl_fns
+
+# Per-shard partial sums of global aggregates (added over data-parallel shards); the
+# other step metrics (grad norm, lr) are the same on every rank.
+SUMMED = {"pg_loss", "kl_loss", "entropy", "clip_fraction", "approx_kl", "ratio_mean", "value_loss",
+          "value_clip_fraction"}
+
+
+class MegatronRole:
+    def __init__(self, name: str, cfg: RoleConfig, group, source: str, timeout_s: float,
+                 value_head: bool = False):
+        self.name, self.cfg, self.group, self.source = name, cfg, group, source
+        self.timeout_s = timeout_s
+        self.value_head = value_head
+
+    def _run(self, fn, **kwargs) -> list:
+        return self.group.run(fn, timeout_s=self.timeout_s, **kwargs)
+
+    def load(self, timeout_minutes: int = 30) -> None:
+        """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
+        self._run(megatron_model.load, key=self.name, source=self.source, parallel=self.cfg.parallel,
+                  dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes)
+
+    def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Any:
+        return rl_fns.gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(),
+                                              micro_batch_size=self.cfg.micro_batch_size, entropy=entropy))
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        return rl_fns.gather_shards(self._run(rl_fns.values, key=self.name, batch=batch.to_workers(),
+                                              micro_batch_size=self.cfg.micro_batch_size))
+
+    def scores(self, batch: RolloutBatch) -> torch.Tensor:
+        return rl_fns.gather_shards(self._run(rl_fns.scores, key=self.name, batch=batch.to_workers(),
+                                              micro_batch_size=self.cfg.micro_batch_size))
+
+    def train(self, fn, batch: dict, algo: AlgorithmConfig) -> dict[str, float]:
+        shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=asdict(algo), optim=asdict(self.cfg.optim),
+                                       micro_batch_size=self.cfg.micro_batch_size) if r is not None]
+        steps = []
+        for per_shard in zip(*shards, strict=True):  # one entry per optimizer step
+            merged = {k: (sum(s[k] for s in per_shard) if k in SUMMED else per_shard[0][k]) for k in per_shard[0]}
+            steps.append(merged)
+        # logged: the mean over this update's optimizer steps
+        return {f"{self.name}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+    def save(self, directory: str) -> None:
+        self._run(checkpoint_fns.save, key=self.name, out_dir=directory, source=self.source)
+
+    def restore(self, directory: str, with_optimizer: bool) -> None:
+        self._run(checkpoint_fns.load, key=self.name, ckpt_dir=directory,
+                  optim=asdict(self.cfg.optim) if with_optimizer else None)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -1,0 +1,261 @@
+"""Everything one RL run holds, built from a validated config, and its per-step helpers.
+
+``megarl.trainer.loop`` drives a ``Run``; this module is where the roles (Megatron
+groups and vLLM engines), the data, the rewards, the weight sync, logging and
+checkpoints are put together. A failure in any phase is re-raised as
+``RunFailed``, naming the step and the phase on top of the role and rank that
+the worker group or engine reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from megarl.config.schema import RunConfig
+from megarl.trainer.batch import RolloutBatch, build_batch
+from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.roles import MegatronRole
+
+
+class RunFailed(RuntimeError):
+    """A step failed; the message names the step, the phase and what the role reported."""
+
+
+def hf_folder(path: str) -> Path:
+    """The HF folder (config + tokenizer) of a model path: an HF dir, a megarl checkpoint, bundled:NAME."""
+    from megarl.convert.checkpoint import is_megarl_checkpoint
+    from megarl.models.bundled import resolve_model_path
+
+    resolved = resolve_model_path(path)
+    return resolved / "hf" if is_megarl_checkpoint(resolved) else resolved
+
+
+class Run:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.phase_times: dict[str, float] = {}
+        self.step = 0
+        self.roles: dict[str, MegatronRole] = {}
+        self.engines: list = []
+        self.sync = None
+
+    # -- construction --------------------------------------------------------------------------
+
+    def build(self) -> Run:
+        from transformers import AutoTokenizer
+
+        from megarl.cluster.placement import place
+        from megarl.cluster.ray_env import ensure_ray
+        from megarl.trainer.rewards import RunReward
+
+        cfg = self.cfg
+        ensure_ray()
+        slots = place(cfg)
+        actor_hf = hf_folder(cfg.actor.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(actor_hf))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
+        self.dataset = self._dataset()
+        self.reward = RunReward(cfg.rewards)
+        self.engines = self._start_engines(actor_hf, slots["rollout"])
+        for name, role_cfg in cfg.roles().items():
+            self.roles[name] = self._start_role(name, role_cfg, slots[name])
+        from megarl.reshard.sync import WeightSync
+        from megarl.rollout.remote import wait_ready
+
+        wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
+        self.sync = WeightSync(self.roles["actor"].group, "actor", self.engines,
+                               bucket_bytes=int(cfg.trainer.bucket_mib * 2**20),
+                               timeout_s=cfg.trainer.collective_timeout_s * 4)
+        self.sync.setup()
+        self.checkpoints = CheckpointManager(self.run_dir)
+        return self
+
+    def _dataset(self):
+        from megarl.data.dataset import PromptDataset
+        from megarl.data.prompts import DEFAULT_INSTRUCTION, from_reasoning_gym, load_prompts
+
+        data = self.cfg.data
+        if data.source.startswith("reasoning_gym:"):
+            items = from_reasoning_gym(data.source.split(":", 1)[1], size=data.size, seed=data.seed,
+                                       instruction_template=data.instruction or DEFAULT_INSTRUCTION,
+                                       system_prompt=data.system_prompt, **data.task_config)
+        else:
+            items = load_prompts(data.source, prompt_key=data.prompt_key)
+        return PromptDataset(items, batch_size=data.prompts_per_step, seed=data.seed)
+
+    def _start_engines(self, actor_hf: Path, slot) -> list:
+        from megarl.rollout.remote import start_engine
+
+        r = self.cfg.rollout
+        has_weights = any(actor_hf.glob("*.safetensors"))
+        return [start_engine(str(actor_hf), tp=r.tp, dtype=r.dtype, max_model_len=r.max_model_len,
+                             max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib, seed=self.cfg.seed,
+                             gpu_memory_utilization=r.gpu_memory_utilization,
+                             load_format="auto" if has_weights else "dummy",
+                             placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank)
+                for i in range(r.engines)]
+
+    def _start_role(self, name: str, role_cfg, slot) -> MegatronRole:
+        from megarl.workers import WorkerGroup
+
+        tr = self.cfg.trainer
+        group = WorkerGroup(name, role_cfg.parallel.ranks, num_cpus_per_rank=slot.cpus_per_rank,
+                            num_gpus_per_rank=slot.gpus_per_rank, placement_group=slot.placement_group,
+                            bundle_offset=slot.bundle_offset, collective_timeout_s=tr.collective_timeout_s)
+        source = role_cfg.model.path
+        if name == "critic" and not source and self.cfg.reward_model is not None:
+            source = self.cfg.reward_model.model.path  # a critic starts from the reward model's weights
+        role = MegatronRole(name, role_cfg, group, source, timeout_s=tr.step_timeout_s,
+                            value_head=name in ("critic", "reward_model"))
+        role.load(timeout_minutes=max(1, math.ceil(tr.collective_timeout_s / 60)))
+        return role
+
+    # -- steps -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        except Exception as e:
+            raise RunFailed(f"step {self.step}, phase {name!r}: {e}") from e
+        finally:
+            self.phase_times[name] = time.perf_counter() - started
+
+    def generate(self) -> tuple[RolloutBatch, list]:
+        """Samples ``rollout.n`` responses to each of this step's prompts."""
+        import ray
+
+        from megarl.data.tokenize import tokenize_prompts
+        from megarl.rewards.base import RewardInput
+        from megarl.rollout.sampling import SamplingConfig
+
+        r = self.cfg.rollout
+        items = self.dataset.next_batch()
+        prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
+        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                                  n=r.n, stop_token_ids=[self.tokenizer.eos_token_id],
+                                  seed=self.cfg.seed * 100_003 + self.step)
+        share = -(-len(prompts) // len(self.engines))
+        parts = [prompts[i * share:(i + 1) * share] for i in range(len(self.engines))]
+        groups = [g for part in ray.get([e.generate.remote(p, sampling) for e, p in zip(self.engines, parts,
+                                                                                           strict=True) if p])
+                  for g in part]
+        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8)
+        inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[i].metadata,
+                              response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
+                  for i, group in enumerate(groups) for s in group]
+        return batch, inputs
+
+    def score(self, batch: RolloutBatch, inputs: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from megarl.algorithms import overlong_penalty
+
+        model_scores = self.roles["reward_model"].scores(batch) if self.reward.needs_model else None
+        scores, parts = self.reward.score(inputs, model_scores)
+        algo = self.cfg.algorithm
+        if algo.overlong_buffer > 0:
+            penalty = overlong_penalty(batch.response_lens, self.cfg.rollout.max_tokens, algo.overlong_buffer,
+                                       algo.overlong_penalty)
+            scores = scores + penalty
+            parts["reward/overlong_penalty"] = penalty
+        return scores, parts
+
+    def update_weights(self) -> None:
+        """Moves the actor's new weights into vLLM (colocated: wake weights, sync, then KV cache)."""
+        import ray
+
+        colocated = self.cfg.rollout.colocate_with is not None
+        if colocated:
+            ray.get([e.wake_up_weights.remote() for e in self.engines])
+        self.sync_report = self.sync.sync()
+        if colocated:
+            ray.get([e.wake_up_kv_cache.remote() for e in self.engines])
+
+    def rollout_sleep(self) -> None:
+        """Colocated rollout gives its memory back for training."""
+        import ray
+
+        if self.cfg.rollout.colocate_with is not None:
+            ray.get([e.sleep.remote() for e in self.engines])
+
+    def verify_sync(self, batch: RolloutBatch) -> dict[str, float]:
+        if self.cfg.trainer.verify_sync == "never" or (self.cfg.trainer.verify_sync == "first" and self.step > 1):
+            return {}
+        report = self.sync.verify(batch.tokens[:2], tolerance=self.cfg.trainer.verify_tolerance)
+        return {"sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
+                "sync/token_mult_prob_error": report.token_mult_prob_error}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def trained_roles(self) -> dict[str, MegatronRole]:
+        return {n: r for n, r in self.roles.items() if n in ("actor", "critic")}
+
+    def save(self) -> Path:
+        return self.checkpoints.save(self.step, self.trained_roles(), {"data": self.dataset.state_dict()})
+
+    def resume(self) -> int:
+        """Continues from the run directory's latest checkpoint (``trainer.resume: auto``); returns its step."""
+        if self.cfg.trainer.resume == "never":
+            return 0
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return 0
+        state = self.checkpoints.trainer_state(latest)
+        for name, role in self.trained_roles().items():
+            role.restore(str(latest / name), with_optimizer=True)
+        self.dataset.load_state_dict(state["data"])
+        self.step = state["step"]
+        self.update_weights()
+        print(f"resumed from {latest} (step {self.step})", flush=True)
+        return self.step
+
+    def logger(self, resume_step: int) -> MetricsLogger:
+        tr = self.cfg.trainer
+        return MetricsLogger(self.run_dir, asdict(self.cfg), tensorboard=tr.tensorboard, wandb=tr.wandb,
+                             resume_step=resume_step, run_name=self.cfg.name)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.sync is not None:
+            with contextlib.suppress(Exception):
+                self.sync.close()
+        for role in self.roles.values():
+            role.shutdown()
+        for engine in self.engines:
+            with contextlib.suppress(Exception):
+                ray.kill(engine)
+
+
+def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
+                 est: dict, rollout_lp: torch.Tensor) -> dict[str, float]:
+    """What every step logs besides the updates' own metrics."""
+    from megarl.algorithms import masked_mean
+
+    mask = batch.mask
+    diff = (old["logprobs"] - rollout_lp).abs()
+    groups = scores.view(-1, batch.group_size)
+    out = {
+        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
+        "response/length_mean": float(batch.response_lens.float().mean()),
+        "response/truncated_fraction": sum(r == "length" for r in batch.finish_reasons) / batch.size,
+        "entropy/mean": float(masked_mean(old["entropy"], mask)),
+        "mismatch/max_abs_logprob": float((diff * mask).max()),
+        "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(diff), mask)),
+        "groups/mixed_fraction": float((groups.max(1).values != groups.min(1).values).float().mean()),
+    }
+    if "kl" in est:
+        out["kl/mean"] = float(masked_mean(est["kl"], mask))
+    for name, values in parts.items():
+        out[name] = float(values.mean())
+    return out

@@ -1,0 +1,83 @@
+"""Rank functions that save and restore a trained role: weights, optimizer, RNG, step counters.
+
+Weights and optimizer go through megatron-core's dist_checkpointing (the optimizer
+in its fully reshardable form, so a run can resume at another layout); each rank
+adds a small file with its RNG states and counters. The directory is also a
+megarl checkpoint (``megarl.json``), so ``megarl convert mcore-to-hf`` exports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.convert.checkpoint import forked_write_results_queue, model_sharded_state_dict, write_meta
+from megarl.workers.megatron_model import held
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _state(model, is_loading: bool) -> dict:
+    sd = model_sharded_state_dict(model.chunks)
+    if model.optimizer is not None:
+        if len(model.chunks) != 1:
+            raise NotImplementedError("optimizer checkpoints of interleaved (vpp) models are not supported yet")
+        sd["optimizer"] = model.optimizer.sharded_state_dict(sd["model"], is_loading=is_loading,
+                                                             metadata=OPTIMIZER_METADATA)
+    return sd
+
+
+def _extras_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "rank_state" / f"rank{dist.get_rank()}.pt"
+
+
+def save(key: str, out_dir: str, source: str) -> None:
+    """Collective over the role: writes its checkpoint into ``out_dir`` (which must exist)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    model = held(key)
+    forked_write_results_queue()
+    dist_checkpointing.save(_state(model, is_loading=False), out_dir)
+    extras = _extras_path(out_dir)
+    extras.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"cpu_rng": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+                "optimizer_steps": model.extra.get("optimizer_steps", 0)}, extras)
+    if dist.get_rank() == 0:
+        from megarl.convert.hf_io import copy_side_files
+
+        spec = model.spec
+        (Path(out_dir) / "hf").mkdir(exist_ok=True)
+        copy_side_files(source, Path(out_dir) / "hf")
+        write_meta(out_dir, spec.arch, spec.padded_vocab, spec.precision.dtype, spec.parallel, spec.value_head,
+                   source=source)
+    dist.barrier()
+
+
+def load(key: str, ckpt_dir: str, optim: dict | None) -> None:
+    """Restores weights and (with ``optim``) optimizer state into the held model."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megarl.workers.rl_fns import ensure_optimizer
+
+    model = held(key)
+    if optim is not None:
+        ensure_optimizer(model, optim)
+        # torch Adam creates its state lazily; the loader needs it to exist.
+        for opt in getattr(model.optimizer, "chained_optimizers", [model.optimizer]):
+            opt._init_optimizer_states_with_dummy_values()
+    loaded = dist_checkpointing.load(_state(model, is_loading=True), ckpt_dir)
+    keys = ["model"] if len(model.chunks) == 1 else [f"model{i}" for i in range(len(model.chunks))]
+    for chunk, name in zip(model.chunks, keys, strict=True):
+        getattr(chunk, "module", chunk).load_state_dict(loaded[name], strict=True)
+    if optim is not None:
+        model.optimizer.load_state_dict(loaded["optimizer"])
+    extras_file = _extras_path(ckpt_dir)
+    if extras_file.exists():
+        extras = torch.load(extras_file, weights_only=True)
+        torch.set_rng_state(extras["cpu_rng"])
+        get_cuda_rng_tracker().set_states(extras["tracker"])
+        model.extra["optimizer_steps"] = int(extras["optimizer_steps"])
