@@ -54,7 +54,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         (item,) = typing.get_args(hint)[:1] or (Any,)
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
+    if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
@@ -71,6 +71,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as text
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if hint is str:
         if isinstance(value, str):

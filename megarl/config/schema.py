@@ -179,6 +179,12 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def __post_init__(self) -> None:
+        # A critic without weights of its own starts from the reward model's, as the seeds
+        # recommend (a value head that already reads the reward's features).
+        if self.critic is not None and not self.critic.model.path and self.reward_model is not None:
+            self.critic.model.path = self.reward_model.model.path
+
     def roles(self) -> dict[str, RoleConfig]:
         named = {"actor": self.actor, "reference": self.reference,
                  "critic": self.critic, "reward_model": self.reward_model}

@@ -11,7 +11,10 @@ Any (tp, pp) layout can load it: megatron-core reshards on load.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -73,28 +76,52 @@ def model_sharded_state_dict(chunks: list) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(bare)}
 
 
-def forked_write_results_queue() -> None:
-    """Gives megatron-core's checkpoint writer its results queue from a *forked* Manager.
+@contextlib.contextmanager
+def forked_write_results_queue() -> Iterator[None]:
+    """Gives megatron-core's checkpoint writer a results queue from a *forked* Manager, for one save.
 
     megatron-core creates this queue on the first save with a spawned Manager, which
     starts a fresh interpreter that re-imports the parent's ``__main__`` (torch and all):
     about 5 s per rank here, ~20 s for four ranks on two cores. A forked Manager serves the
     same queue at once; its server process only relays queue items and never touches torch.
+
+    The forked server inherits every file descriptor of its parent. In a Ray worker those
+    include the worker's connection to Ray, so a server that outlived a killed worker kept
+    Ray from noticing the death (the run hung instead of failing). Hence the server lives
+    only for the save, and dies with its parent.
     """
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None
+        manager.shutdown()
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a forked helper: be killed when the process that forked it dies (Linux)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def save_model(chunks: list, ckpt_dir: str | Path) -> None:
     """Collective: every rank writes its shards of ``chunks`` into ``ckpt_dir``."""
     from megatron.core import dist_checkpointing
 
-    forked_write_results_queue()
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
+    with forked_write_results_queue():
+        dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
 
 
 def load_model(chunks: list, ckpt_dir: str | Path) -> None:

@@ -124,7 +124,15 @@ class WeightSync:
             raise StalePlanError(problems[0])
         started = time.perf_counter()
         pending = self.actor.submit(actor_fns.send, key=self.model_key, plan_id=plan_id)
-        received = ray.get([e.receive_weights.remote(plan_id, check) for e in self.engines], timeout=self.timeout_s)
+        receiving = [e.receive_weights.remote(plan_id, check) for e in self.engines]
+        deadline = time.monotonic() + self.timeout_s
+        # The engines wait for bytes from the actor: if an actor rank dies, stop waiting at
+        # once and report it (pending.result raises, naming the role and rank).
+        while len(ray.wait(receiving, num_returns=len(receiving), timeout=0.5)[0]) < len(receiving):
+            if pending.failed() or time.monotonic() > deadline:
+                pending.result(max(0.0, deadline - time.monotonic()))
+                raise TimeoutError(f"weight sync: the rollout engines did not receive within {self.timeout_s:.0f} s")
+        received = ray.get(receiving)
         sent = [s for s in pending.result(self.timeout_s) if s is not None]
         seconds = time.perf_counter() - started
         workers = [w for engine in received for w in engine]

@@ -10,6 +10,7 @@ the worker group or engine reported.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import MegatronRole
+from megarl.utils.atomic import write_text_atomic
 
 
 class RunFailed(RuntimeError):
@@ -47,6 +49,7 @@ class Run:
         self.roles: dict[str, MegatronRole] = {}
         self.engines: list = []
         self.sync = None
+        self.slots: dict = {}
 
     # -- construction --------------------------------------------------------------------------
 
@@ -58,8 +61,9 @@ class Run:
         from megarl.trainer.rewards import RunReward
 
         cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         ensure_ray()
-        slots = place(cfg)
+        slots = self.slots = place(cfg)
         actor_hf = hf_folder(cfg.actor.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(actor_hf))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
@@ -78,6 +82,9 @@ class Run:
                                timeout_s=cfg.trainer.collective_timeout_s * 4)
         self.sync.setup()
         self.checkpoints = CheckpointManager(self.run_dir)
+        # which process is which rank: for `kill`, `py-spy dump` or a debugger
+        pids = {name: role.group.pids for name, role in self.roles.items()}
+        write_text_atomic(self.run_dir / "workers.json", json.dumps(pids, indent=2))
         return self
 
     def _dataset(self):
@@ -112,10 +119,7 @@ class Run:
         group = WorkerGroup(name, role_cfg.parallel.ranks, num_cpus_per_rank=slot.cpus_per_rank,
                             num_gpus_per_rank=slot.gpus_per_rank, placement_group=slot.placement_group,
                             bundle_offset=slot.bundle_offset, collective_timeout_s=tr.collective_timeout_s)
-        source = role_cfg.model.path
-        if name == "critic" and not source and self.cfg.reward_model is not None:
-            source = self.cfg.reward_model.model.path  # a critic starts from the reward model's weights
-        role = MegatronRole(name, role_cfg, group, source, timeout_s=tr.step_timeout_s,
+        role = MegatronRole(name, role_cfg, group, role_cfg.model.path, timeout_s=tr.step_timeout_s,
                             value_head=name in ("critic", "reward_model"))
         role.load(timeout_minutes=max(1, math.ceil(tr.collective_timeout_s / 60)))
         return role
@@ -235,6 +239,10 @@ class Run:
         for engine in self.engines:
             with contextlib.suppress(Exception):
                 ray.kill(engine)
+        # the placement groups go last, once nothing runs in them
+        for group in {id(s.placement_group): s.placement_group for s in self.slots.values()}.values():
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(group)
 
 
 def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,

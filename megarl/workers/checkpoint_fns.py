@@ -29,6 +29,19 @@ def _state(model, is_loading: bool) -> dict:
     return sd
 
 
+def _adam_states(model) -> list[dict]:
+    return [state for opt in getattr(model.optimizer, "chained_optimizers", [model.optimizer])
+            for state in opt.optimizer.state.values()]
+
+
+def _adam_step(model) -> float:
+    """torch Adam's per-parameter step count, which megatron's checkpoint does not keep."""
+    if model.optimizer is None:
+        return 0.0
+    steps = [float(state["step"]) for state in _adam_states(model) if "step" in state]
+    return max(steps, default=0.0)
+
+
 def _extras_path(out_dir: str | Path) -> Path:
     return Path(out_dir) / "rank_state" / f"rank{dist.get_rank()}.pt"
 
@@ -39,12 +52,12 @@ def save(key: str, out_dir: str, source: str) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     model = held(key)
-    forked_write_results_queue()
-    dist_checkpointing.save(_state(model, is_loading=False), out_dir)
+    with forked_write_results_queue():
+        dist_checkpointing.save(_state(model, is_loading=False), out_dir)
     extras = _extras_path(out_dir)
     extras.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"cpu_rng": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-                "optimizer_steps": model.extra.get("optimizer_steps", 0)}, extras)
+                "optimizer_steps": model.extra.get("optimizer_steps", 0), "adam_step": _adam_step(model)}, extras)
     if dist.get_rank() == 0:
         from megarl.convert.hf_io import copy_side_files
 
@@ -81,3 +94,10 @@ def load(key: str, ckpt_dir: str, optim: dict | None) -> None:
         torch.set_rng_state(extras["cpu_rng"])
         get_cuda_rng_tracker().set_states(extras["tracker"])
         model.extra["optimizer_steps"] = int(extras["optimizer_steps"])
+        if optim is not None:
+            # Adam's bias correction needs the step count back. Each parameter gets its own
+            # tensor: megatron's dummy-state init shares one among all, which Adam would then
+            # advance once per parameter on every step.
+            for state in _adam_states(model):
+                if "step" in state:
+                    state["step"] = torch.tensor(float(extras["adam_step"]), dtype=state["step"].dtype)

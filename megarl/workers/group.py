@@ -193,6 +193,19 @@ class PendingCall:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         return len(ready) == len(refs)
 
+    def failed(self) -> bool:
+        """True once some rank has failed (raised, or its process died); never blocks.
+
+        A driver that waits on another party of the same collective (a rollout engine in a
+        weight sync) polls this, so that a dead rank ends the wait at once."""
+        import ray
+
+        if self._outcome is not None:
+            return isinstance(self._outcome, WorkerGroupError)
+        refs = list(self._refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return any(not _outcome(ref)[0] for ref in ready)
+
     def result(self, timeout_s: float | None = None) -> list[Any]:
         """The ranks' results in the order the ranks were given; raises WorkerGroupError.
 

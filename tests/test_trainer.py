@@ -1,0 +1,198 @@
+"""The RL loop end to end on CPU: Megatron roles and vLLM rollout under Ray.
+
+Tiny models carry SmolLM2's tokenizer and chat template (so prompts, decoding and
+rewards are real), with vLLM's smallest CPU-friendly shape (head_dim 32).
+
+- GRPO, 4 steps straight vs 2 steps + `kill -9` of the actor's worker + resume: the
+  kill ends the run within 60 s naming role, rank and phase, and the resumed run's
+  metrics equal the straight run's bit for bit (fp32 on CPU).
+- PPO with critic, reward model and reference, each its own placement group, the
+  actor at tp=2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_hf
+
+from megarl.config.loader import load_config
+from megarl.config.schema import RunConfig
+from megarl.config.validate import validate_run
+from megarl.recipes import DEFAULT
+
+VOCAB = 49152  # SmolLM2's
+
+
+def _with_tokenizer(model_dir: Path, smollm2: Path) -> Path:
+    for path in smollm2.iterdir():  # tokenizer files and chat template: all but weights and config
+        if path.is_file() and path.suffix not in (".safetensors", ".bin") and path.name != "config.json":
+            shutil.copy(path, model_dir / path.name)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory, smollm2) -> Path:
+    path = build_tiny_hf("llama", tmp_path_factory.mktemp("policy") / "llama", hidden_size=128,
+                         intermediate_size=256, num_hidden_layers=2, vocab_size=VOCAB, tie_word_embeddings=True,
+                         initializer_range=0.02, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _with_tokenizer(path, smollm2)
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory, smollm2) -> Path:
+    import torch
+    import transformers
+    from conftest import tiny_config
+
+    torch.manual_seed(3)
+    config = tiny_config("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=VOCAB,
+                         num_labels=1, pad_token_id=2, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = transformers.LlamaForSequenceClassification(config).float().eval()
+    path = tmp_path_factory.mktemp("reward") / "llama-reward"
+    model.save_pretrained(path)
+    return _with_tokenizer(path, smollm2)
+
+
+class _LengthReward(BaseHTTPRequestHandler):
+    """A remote reward with varied, deterministic scores for a random model's text: it
+    favours responses with few distinct characters."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        rewards = [1.0 / (1 + len(set(s["response"]))) for s in body["samples"]]
+        data = json.dumps({"rewards": rewards}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def reward_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _LengthReward)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    server.shutdown()
+
+
+def grpo_overrides(policy: Path, reward_url: str, out: Path, steps: int) -> list[str]:
+    return [f"actor.model.path={policy}", f"reference.model.path={policy}", f"output_dir={out}",
+            f"trainer.steps={steps}", "trainer.save_every=2", "trainer.verify_sync=every",
+            "data.prompts_per_step=2", "data.size=16", "rollout.n=4", "rollout.max_tokens=12",
+            "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=4",
+            "reference.micro_batch_size=8", "actor.optim.lr=1e-3", "algorithm.kl_coef=0.01",
+            "trainer.tensorboard=false", "trainer.wandb=false", "trainer.collective_timeout_s=20",
+            "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
+
+
+def _config(overrides: list[str], recipe: str | Path = DEFAULT) -> RunConfig:
+    cfg = load_config(RunConfig, recipe, overrides)
+    validate_run(cfg)
+    return cfg
+
+
+def _comparable(history: list[dict]) -> list[dict]:
+    """Metrics that must repeat exactly: everything except wall-clock times."""
+    return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/"))} for h in history]
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, reward_url, tmp_path):
+    from megarl.trainer.loop import train
+
+    straight = train(_config(grpo_overrides(policy, reward_url, tmp_path / "straight", steps=4)))
+    assert [h["step"] for h in straight] == [1, 2, 3, 4]
+    assert any(h["reward/mean"] != straight[0]["reward/mean"] for h in straight), "rewards never changed"
+    assert straight[0]["sync/max_abs_logprob_diff"] <= 1e-3
+    assert all(math.isfinite(v) for h in straight for v in h.values())
+
+    # The same run in its own process, killed (SIGKILL of the actor's rank) once step 2's
+    # checkpoint exists: the run must end on its own within 60 s, naming role, rank and phase.
+    run_dir = tmp_path / "killed"
+    cli = [sys.executable, "-m", "megarl.cli.main", "train", *grpo_overrides(policy, reward_url, run_dir, steps=40)]
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "latest").is_file():
+            assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within 400 s"
+            time.sleep(0.5)
+        actor_pid = json.loads((run_dir / "workers.json").read_text())["actor"][0]
+        os.kill(actor_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            output, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"the run did not end within 90 s of the kill:\n{proc.communicate()[0][-4000:]}")
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, output[-3000:]
+    assert took < 60, f"the run took {took:.0f} s to end after the kill"
+    failure = [line for line in output.splitlines() if "megarl train: failed" in line]
+    assert failure, output[-3000:]
+    assert "'actor'" in failure[0] and "rank 0" in failure[0] and "phase" in failure[0], failure[0]
+    assert "process died" in output
+
+    # Resume to step 4 from the checkpoint of step 2: the metrics file reads as one run.
+    resumed = train(_config(grpo_overrides(policy, reward_url, run_dir, steps=4)))
+    assert [h["step"] for h in _read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert _comparable(resumed) == _comparable(straight)
+    assert (run_dir / "checkpoints" / "step_000004" / "actor" / "megarl.json").is_file()
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["kl.png", "response_length.png",
+                                                                     "reward.png"]
+
+
+def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward_model, tmp_path):
+    from megarl.trainer.loop import train
+
+    overrides = [
+        f"actor.model.path={policy}", f"reference.model.path={policy}", f"reward_model.model.path={reward_model}",
+        f"output_dir={tmp_path / 'ppo'}", "actor.parallel.tp=2", "actor.parallel.world_size=2",
+        "critic.parallel.tp=1", "reward_model.parallel.tp=1", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
+        "algorithm.kl_in_reward=true", "algorithm.minibatches=2", "algorithm.ppo_epochs=2",
+        "trainer.steps=2", "data.prompts_per_step=2", "data.size=8", "rollout.n=2", "rollout.max_tokens=12",
+        "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=1",
+        "critic.micro_batch_size=1", "reference.micro_batch_size=4", "reward_model.micro_batch_size=4",
+        "trainer.tensorboard=false", "trainer.wandb=false", "trainer.verify_sync=first",
+        "rewards=[{kind: model, weight: 1.0}]",
+    ]
+    history = train(_config(overrides))
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert all(math.isfinite(v) for v in h.values()), h
+        assert h["critic/value_loss"] > 0
+        assert h["reward/model"] == h["reward/mean"]
+    # the critic started from the reward model and learns: the value loss changes
+    assert history[0]["critic/value_loss"] != history[1]["critic/value_loss"]
+    assert history[0]["sync/max_abs_logprob_diff"] <= 1e-3
+    groups = json.loads((tmp_path / "ppo" / "workers.json").read_text())
+    assert {name: len(pids) for name, pids in groups.items()} == {"actor": 2, "reference": 1, "critic": 1,
+                                                                 "reward_model": 1}
+    assert len({pid for pids in groups.values() for pid in pids}) == 5  # one process per rank and role
