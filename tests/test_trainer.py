@@ -113,17 +113,24 @@ def _config(overrides: list[str], recipe: str | Path = DEFAULT) -> RunConfig:
 
 def _comparable(history: list[dict]) -> list[dict]:
     """Metrics that must repeat exactly: everything except wall-clock times."""
-    return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/"))} for h in history]
+    return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/", "memory/"))} for h in history]
 
 
 def _read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, reward_url, tmp_path):
+@pytest.fixture(scope="module")
+def straight(policy, reward_url, tmp_path_factory) -> list[dict]:
+    """4 GRPO steps, disaggregated: the run the others must repeat."""
     from megarl.trainer.loop import train
 
-    straight = train(_config(grpo_overrides(policy, reward_url, tmp_path / "straight", steps=4)))
+    return train(_config(grpo_overrides(policy, reward_url, tmp_path_factory.mktemp("straight"), steps=4)))
+
+
+def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, reward_url, straight, tmp_path):
+    from megarl.trainer.loop import train
+
     assert [h["step"] for h in straight] == [1, 2, 3, 4]
     assert any(h["reward/mean"] != straight[0]["reward/mean"] for h in straight), "rewards never changed"
     assert straight[0]["sync/max_abs_logprob_diff"] <= 1e-3
@@ -167,6 +174,23 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     assert (run_dir / "checkpoints" / "step_000004" / "actor" / "megarl.json").is_file()
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["kl.png", "response_length.png",
                                                                      "reward.png"]
+
+
+def test_colocated_run_repeats_the_disaggregated_run(policy, reward_url, straight, tmp_path):
+    """Actor, reference and vLLM on the same bundles: the Megatron roles leave the device while
+    vLLM generates (their storage freed, kept on the host) and vLLM sleeps while they work,
+    checkpoints included (save_every=2). Placement must not change a single number."""
+    from megarl.trainer.loop import train
+
+    overrides = [*grpo_overrides(policy, reward_url, tmp_path / "colocated", steps=4),
+                 "rollout.colocate_with=actor", "reference.colocate_with=actor"]
+    colocated = train(_config(overrides))
+    assert _comparable(colocated) == _comparable(straight)
+    # every step moved at least the actor's and reference's weights (2 x ~26 MiB) off and back
+    weights_mib = 2 * 4 * (VOCAB * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 256)) / 2**20
+    assert all(h["memory/offloaded_mib"] >= weights_mib for h in colocated), \
+        [h["memory/offloaded_mib"] for h in colocated]
+    assert (tmp_path / "colocated" / "checkpoints" / "step_000004" / "actor" / "megarl.json").is_file()
 
 
 def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward_model, tmp_path):

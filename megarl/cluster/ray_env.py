@@ -48,6 +48,9 @@ def ensure_ray(num_cpus: int | None = None, namespace: str = "megarl", *,
         ray.init(address=address, **common)
         return
     ray.init(
+        # "local": always a fresh instance; a bare ray.init() would join any cluster that
+        # `ray start` left running on this machine (another user's, or a launcher's).
+        address="local",
         num_cpus=num_cpus if num_cpus is not None else max(DEFAULT_LOCAL_CPUS, os.cpu_count() or 1),
         object_store_memory=object_store_mib * 1024**2,
         include_dashboard=False,

@@ -10,6 +10,7 @@ unpickled.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -103,7 +104,12 @@ def _rows_contiguous(out: torch.Tensor, dim: int) -> bool:
 
 
 def _pread_into(fd: int, position: int, target: torch.Tensor, nbytes: int) -> None:
-    view = memoryview(target.view(torch.uint8).numpy()).cast("B") if target.numel() else memoryview(b"")
+    # A raw buffer over the tensor's bytes, not ``.numpy()``: exporting to numpy marks the
+    # storage non-resizable for good, and colocated offload frees storages by resizing them.
+    if target.numel() and not target.is_contiguous():
+        raise ValueError("_pread_into needs a contiguous target")
+    raw = (ctypes.c_char * (target.numel() * target.element_size())).from_address(target.data_ptr())
+    view = memoryview(raw).cast("B") if target.numel() else memoryview(b"")
     done = 0
     while done < nbytes:
         n = os.preadv(fd, [view[done:]], position + done)

@@ -32,15 +32,13 @@ def train(cfg: RunConfig) -> list[dict]:
                 values = critic.values(batch) if critic else None
             with run.phase("advantages"):
                 est = estimate(cfg.algorithm, scores, batch.mask, batch.group_size, old["logprobs"], ref, values)
-                verified = run.verify_sync(batch)
-            run.rollout_sleep()
             with run.phase("actor_update"):
                 metrics = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
             if critic:
                 with run.phase("critic_update"):
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)
             with run.phase("weight_sync"):
-                run.update_weights()
+                verified = run.update_weights(batch)
             metrics |= step_metrics(batch, scores, parts, old, est, batch.rollout_logprobs) | verified
             metrics |= timing(run, batch, time.perf_counter() - began)
             log.log(run.step, metrics)
@@ -87,4 +85,7 @@ def timing(run: Run, batch, step_seconds: float) -> dict[str, float]:
     out["time/step_s"] = step_seconds
     out["throughput/tokens_per_s"] = generated / step_seconds
     out["throughput/generation_tokens_per_s"] = generated / max(run.phase_times.get("rollout", 0.0), 1e-9)
+    if run.colocated_roles():
+        out["memory/offloaded_mib"] = run.offloaded_bytes / 2**20
+        run.offloaded_bytes = 0
     return out

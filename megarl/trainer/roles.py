@@ -9,7 +9,7 @@ import torch
 
 from megarl.config.schema import AlgorithmConfig, RoleConfig
 from megarl.trainer.batch import RolloutBatch
-from megarl.workers import checkpoint_fns, megatron_model, rl_fns
+from megarl.workers import checkpoint_fns, megatron_model, offload_fns, rl_fns
 
 # Per-shard partial sums of global aggregates (added over data-parallel shards); the
 # other step metrics (grad norm, lr) are the same on every rank.
@@ -60,6 +60,14 @@ class MegatronRole:
     def restore(self, directory: str, with_optimizer: bool) -> None:
         self._run(checkpoint_fns.load, key=self.name, ckpt_dir=directory,
                   optim=asdict(self.cfg.optim) if with_optimizer else None)
+
+    def offload(self, parts: tuple[str, ...] = offload_fns.PARTS) -> int:
+        """Moves ``parts`` (params, grads, optimizer) of every rank off its device; returns bytes freed."""
+        return sum(self._run(offload_fns.offload, key=self.name, parts=parts))
+
+    def onload(self) -> int:
+        """Brings everything offloaded back onto the ranks' devices; returns bytes restored."""
+        return sum(self._run(offload_fns.onload, key=self.name))
 
     def shutdown(self) -> None:
         self.group.shutdown()

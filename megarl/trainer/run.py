@@ -25,6 +25,7 @@ from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import MegatronRole
 from megarl.utils.atomic import write_text_atomic
+from megarl.workers import offload_fns
 
 
 class RunFailed(RuntimeError):
@@ -50,6 +51,7 @@ class Run:
         self.engines: list = []
         self.sync = None
         self.slots: dict = {}
+        self.offloaded_bytes = 0  # colocated: bytes the Megatron roles moved off the device this step
 
     # -- construction --------------------------------------------------------------------------
 
@@ -137,7 +139,11 @@ class Run:
             self.phase_times[name] = time.perf_counter() - started
 
     def generate(self) -> tuple[RolloutBatch, list]:
-        """Samples ``rollout.n`` responses to each of this step's prompts."""
+        """Samples ``rollout.n`` responses to each of this step's prompts.
+
+        Colocated, the Megatron roles are off the device while vLLM generates, and back on it
+        (vLLM asleep) when this returns.
+        """
         import ray
 
         from megarl.data.tokenize import tokenize_prompts
@@ -145,6 +151,8 @@ class Run:
         from megarl.rollout.sampling import SamplingConfig
 
         r = self.cfg.rollout
+        for role in self.colocated_roles().values():  # a no-op after update_weights, which did it already
+            self.offloaded_bytes += role.offload()
         items = self.dataset.next_batch()
         prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
         sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
@@ -155,6 +163,7 @@ class Run:
         groups = [g for part in ray.get([e.generate.remote(p, sampling) for e, p in zip(self.engines, parts,
                                                                                            strict=True) if p])
                   for g in part]
+        self._swap_out_of_rollout()
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8)
         inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[i].metadata,
                               response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
@@ -174,23 +183,56 @@ class Run:
             parts["reward/overlong_penalty"] = penalty
         return scores, parts
 
-    def update_weights(self) -> None:
-        """Moves the actor's new weights into vLLM (colocated: wake weights, sync, then KV cache)."""
+    def update_weights(self, batch: RolloutBatch | None = None) -> dict[str, float]:
+        """Moves the actor's new weights into vLLM; with ``batch``, then checks vLLM's logprobs of a
+        few of its sequences against the actor's (``trainer.verify_sync``) and returns the figures.
+
+        Colocated, in the order that keeps the device's peak lowest: the Megatron roles give
+        up everything but the actor's weights, vLLM wakes its weights, the sync runs, vLLM's
+        KV cache comes back, and the actor's weights leave once the check has used them.
+        """
         import ray
 
-        colocated = self.cfg.rollout.colocate_with is not None
-        if colocated:
+        sharing = self.colocated_roles()
+        for name, role in sharing.items():
+            self.offloaded_bytes += role.offload(("grads", "optimizer") if name == "actor" else offload_fns.PARTS)
+        if sharing:
             ray.get([e.wake_up_weights.remote() for e in self.engines])
         self.sync_report = self.sync.sync()
-        if colocated:
+        if sharing:
             ray.get([e.wake_up_kv_cache.remote() for e in self.engines])
+        verified = self.verify_sync(batch) if batch is not None else {}
+        if "actor" in sharing:
+            self.offloaded_bytes += sharing["actor"].offload()
+        return verified
 
-    def rollout_sleep(self) -> None:
-        """Colocated rollout gives its memory back for training."""
+    def colocated_roles(self) -> dict[str, MegatronRole]:
+        """The Megatron roles that share the rollout's bundles (none when the rollout has its own)."""
+        host = self.cfg.rollout.colocate_with
+        if host is None:
+            return {}
+        return {name: role for name, role in self.roles.items() if (role.cfg.colocate_with or name) == host}
+
+    def _swap_out_of_rollout(self) -> None:
+        """Colocated: vLLM sleeps (weights and KV cache freed on GPU) and the Megatron roles come back."""
         import ray
 
-        if self.cfg.rollout.colocate_with is not None:
+        sharing = self.colocated_roles()
+        if sharing:
             ray.get([e.sleep.remote() for e in self.engines])
+            for role in sharing.values():
+                role.onload()
+
+    @contextlib.contextmanager
+    def _roles_on_device(self) -> Iterator[None]:
+        """For work outside the step's flow (checkpoints): colocated roles are brought back, then
+        sent away again, so the run continues in the state it was in."""
+        sharing = {n: r for n, r in self.colocated_roles().items() if r.onload() > 0}
+        try:
+            yield
+        finally:
+            for role in sharing.values():
+                role.offload()
 
     def verify_sync(self, batch: RolloutBatch) -> dict[str, float]:
         if self.cfg.trainer.verify_sync == "never" or (self.cfg.trainer.verify_sync == "first" and self.step > 1):
@@ -205,7 +247,8 @@ class Run:
         return {n: r for n, r in self.roles.items() if n in ("actor", "critic")}
 
     def save(self) -> Path:
-        return self.checkpoints.save(self.step, self.trained_roles(), {"data": self.dataset.state_dict()})
+        with self._roles_on_device():
+            return self.checkpoints.save(self.step, self.trained_roles(), {"data": self.dataset.state_dict()})
 
     def resume(self) -> int:
         """Continues from the run directory's latest checkpoint (``trainer.resume: auto``); returns its step."""
