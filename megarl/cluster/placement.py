@@ -2,9 +2,11 @@
 
 A role with ``colocate_with: null`` (and the rollout with its own setting) gets
 its own placement group, one bundle per rank. A role colocated with another
-puts its rank i on that role's bundle i, and the bundle is sized for both: on a
-GPU cluster this is the colocated setup where vLLM and Megatron share devices;
-on CPU the bundles are (logical) CPUs and the same code runs.
+puts its rank i on that role's bundle i: the bundle's CPUs are added up and its
+devices shared (each role asks for its fraction of them). On a GPU cluster this is
+the colocated setup where vLLM and Megatron take turns on the same devices (the
+trainer offloads one while the other runs); on CPU the bundles are (logical) CPUs
+and the same code runs.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ def role_ranks(cfg: RunConfig) -> dict[str, int]:
     return ranks
 
 
-def placement_errors(cfg: RunConfig) -> list[str]:
+def placement_errors(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
     """Colocation that cannot work: unknown hosts, chains, more guest ranks than host bundles."""
     errors = []
+    gpu = current_platform().is_gpu if gpu is None else gpu
+    if gpu and cfg.rollout.colocate_with is not None and cfg.rollout.tp > 1:
+        # an engine's TP workers live in one Ray actor, and a fractional share of a bundle
+        # exposes a single device to it
+        errors.append(f"rollout.colocate_with={cfg.rollout.colocate_with!r} needs rollout.tp=1 on GPU "
+                      f"(got {cfg.rollout.tp}); give the rollout its own GPUs for tensor-parallel engines")
     ranks = role_ranks(cfg)
     hosts = {name: role.colocate_with for name, role in cfg.roles().items()}
     hosts["rollout"] = cfg.rollout.colocate_with
@@ -52,24 +60,42 @@ def placement_errors(cfg: RunConfig) -> list[str]:
     return errors
 
 
-def place(cfg: RunConfig) -> dict[str, Slot]:
-    """Creates the placement groups (waiting until Ray can grant them) and returns each role's slot."""
-    import ray
-    from ray.util.placement_group import placement_group
+def bundle_plan(cfg: RunConfig, gpu: bool) -> tuple[dict[str, list[dict[str, float]]], dict[str, tuple[float, float]]]:
+    """Pure: the bundles of each host's placement group, and what each role's rank asks of its bundle.
 
-    gpu = current_platform().is_gpu
+    Colocated roles add up their CPUs, but share devices: a shared bundle holds the most
+    GPUs any one of its roles needs, and each role asks for its share of them (e.g. actor,
+    reference and a TP-1 vLLM engine on one GPU ask a third each), so Ray packs them onto
+    the same device instead of reserving a GPU per role.
+    """
     demand = {name: (role.cpus_per_rank, role.gpus_per_rank if gpu else 0.0) for name, role in cfg.roles().items()}
     demand["rollout"] = (1.0, float(cfg.rollout.tp) if gpu else 0.0)
     host_of = {name: role.colocate_with or name for name, role in cfg.roles().items()}
     host_of["rollout"] = cfg.rollout.colocate_with or "rollout"
     ranks = role_ranks(cfg)
-    groups = {}
-    for host in sorted({h for h in host_of.values()}):
-        bundles = []
+    bundles: dict[str, list[dict[str, float]]] = {}
+    asks: dict[str, tuple[float, float]] = {}
+    for host in sorted(set(host_of.values())):
+        sharing = [g for g, h in host_of.items() if h == host]
+        gpus = max(demand[g][1] for g in sharing)
+        bundles[host] = []
         for i in range(ranks[host]):
-            cpus = sum(demand[g][0] for g, h in host_of.items() if h == host and i < ranks[g])
-            gpus = sum(demand[g][1] for g, h in host_of.items() if h == host and i < ranks[g])
-            bundles.append({"CPU": cpus, **({"GPU": gpus} if gpus else {})})
-        groups[host] = placement_group(bundles, strategy="PACK", name=f"megarl-{cfg.name}-{host}")
+            cpus = sum(demand[g][0] for g in sharing if i < ranks[g])
+            bundles[host].append({"CPU": cpus, **({"GPU": gpus} if gpus else {})})
+        for g in sharing:
+            asks[g] = (demand[g][0], gpus / len(sharing) if gpus else 0.0)
+    return bundles, asks
+
+
+def place(cfg: RunConfig) -> dict[str, Slot]:
+    """Creates the placement groups (waiting until Ray can grant them) and returns each role's slot."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundles, asks = bundle_plan(cfg, current_platform().is_gpu)
+    host_of = {name: role.colocate_with or name for name, role in cfg.roles().items()}
+    host_of["rollout"] = cfg.rollout.colocate_with or "rollout"
+    groups = {host: placement_group(b, strategy="PACK", name=f"megarl-{cfg.name}-{host}")
+              for host, b in bundles.items()}
     ray.get([pg.ready() for pg in groups.values()], timeout=600)
-    return {name: Slot(groups[host_of[name]], 0, *demand[name]) for name in host_of}
+    return {name: Slot(groups[host_of[name]], 0, *asks[name]) for name in host_of}
