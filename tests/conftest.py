@@ -78,6 +78,29 @@ def build_tiny_hf(family: str, path: Path, seed: int = 0, **overrides) -> Path:
     return _save(model, path)
 
 
+SMOLLM2_VOCAB = 49152
+
+
+def with_smollm2_tokenizer(model_dir: Path, smollm2: Path) -> Path:
+    """Copies SmolLM2's tokenizer files and chat template (all but weights and config) into ``model_dir``."""
+    import shutil
+
+    for path in smollm2.iterdir():
+        if path.is_file() and path.suffix not in (".safetensors", ".bin") and path.name != "config.json":
+            shutil.copy(path, model_dir / path.name)
+    return model_dir
+
+
+def build_tiny_policy(path: Path, smollm2: Path) -> Path:
+    """A 2-layer Llama with SmolLM2's tokenizer, so prompts, decoding and rewards are real;
+    hidden 128 over 4 heads gives head_dim 32, the smallest vLLM's CPU attention takes."""
+    build_tiny_hf("llama", path, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  vocab_size=SMOLLM2_VOCAB, tie_word_embeddings=True, initializer_range=0.02,
+                  max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return with_smollm2_tokenizer(path, smollm2)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")

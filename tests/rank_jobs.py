@@ -7,14 +7,14 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import ParallelConfig, PrecisionConfig
+from megarl.config.schema import OptimizerConfig, ParallelConfig, PrecisionConfig
 from megarl.convert.hf_io import HFReader
 from megarl.convert.weights import load_hf_weights
 from megarl.distributed.parallel import megatron_parallel
 from megarl.models.forward import forward_outputs
 from megarl.models.gpt import ModelSpec, build_model_chunks
 from megarl.models.hf_arch import arch_from_hf_dir
-from megarl.models.train import OptimConfig, build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
+from megarl.models.train import build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
 
 
 def _model(hf_dir: str, par: ParallelConfig, info):
@@ -38,7 +38,7 @@ def lm_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor,
         raw = _model(hf_dir, parallel, info)
         vocab = arch_from_hf_dir(hf_dir).vocab_size
         chunks = wrap_ddp(raw, use_distributed_optimizer)
-        optimizer = build_optimizer(chunks, OptimConfig(lr=lr, clip_grad=clip_grad,
+        optimizer = build_optimizer(chunks, OptimizerConfig(lr=lr, clip_grad=clip_grad,
                                                         use_distributed_optimizer=use_distributed_optimizer))
         local = tokens.chunk(info.dp)[info.dp_rank]
         batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
@@ -102,7 +102,6 @@ def _scenario_adam_step_state(dense: str, moe: str) -> None:
     import os
     import shutil
 
-    from megarl.config.schema import OptimizerConfig
     from megarl.workers import checkpoint_fns, megatron_model
 
     directory = f"/tmp/megarl-shim-adam-{os.environ['MASTER_PORT']}"
@@ -178,7 +177,7 @@ def fp8_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor
         raw = build_model_chunks(spec)
         load_hf_weights(raw, HFReader(hf_dir), spec, info)
         chunks = wrap_ddp(raw)
-        optimizer = build_optimizer(chunks, OptimConfig(lr=1e-4))
+        optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-4))
         local = tokens.chunk(info.dp)[info.dp_rank].cuda()
         batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
                  "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
@@ -221,28 +220,104 @@ def restore_send() -> None:
 # --- vocab-parallel log-probabilities and entropy --------------------------------------------
 
 
-def vocab_parallel_vs_naive(tp: int, vocab: int, padded: int) -> dict | None:
-    """Log-probs, entropy and their gradients from TP-local logits vs the full-vocabulary math."""
+def vocab_parallel_vs_naive(tp: int, vocab: int, padded: int, chunk_rows: int | None = None) -> dict | None:
+    """Log-probs, entropy and their gradients from TP-local logits vs the full-vocabulary math.
+
+    The logits are taken as ``[:, :-1]`` of a [3, 8, vocab/tp] shard, as the RL losses do:
+    a non-contiguous view that the chunked path must walk without copying or modifying.
+    """
     from megarl.models.logprobs import token_entropy, token_logprobs
+    from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
     with megatron_parallel(ParallelConfig(tp=tp, world_size=dist.get_world_size())) as info:
         g = torch.Generator().manual_seed(0)
-        full = torch.randn(3, 7, padded, generator=g) * 3
+        full = torch.randn(3, 8, padded, generator=g) * 3
         labels = torch.randint(0, vocab, (3, 7), generator=g)
         w_lp, w_ent = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
         local = full.chunk(tp, dim=-1)[info.tp_rank].clone().requires_grad_(True)
         before = local.detach().clone()
-        lp = token_logprobs(local, labels, vocab)
-        # megatron's cross-entropy works in place: the caller's logits must come back untouched
-        assert torch.equal(local.detach(), before), "token_logprobs modified its input"
-        ent = token_entropy(local, vocab)
+        if chunk_rows is None:
+            lp, ent = token_logprobs(local[:, :-1], labels, vocab), token_entropy(local[:, :-1], vocab)
+        else:
+            lp = vocab_parallel_logprobs(local[:, :-1], labels, vocab, chunk_rows=chunk_rows)
+            ent = vocab_parallel_entropy(local[:, :-1], vocab, chunk_rows=chunk_rows)
+        assert torch.equal(local.detach(), before), "the log-prob/entropy path modified its input"
         ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
 
         naive = full.clone().requires_grad_(True)
-        logp = torch.log_softmax(naive[..., :vocab], dim=-1)
+        logp = torch.log_softmax(naive[:, :-1, :vocab], dim=-1)
         lp_naive = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         ent_naive = -(logp.exp() * logp).sum(-1)
         ((lp_naive * w_lp).sum() + (ent_naive * w_ent).sum()).backward()
         expected_grad = naive.grad.chunk(tp, dim=-1)[info.tp_rank]
         return {"logprob": (lp - lp_naive).abs().max().item(), "entropy": (ent - ent_naive).abs().max().item(),
                 "grad": (local.grad - expected_grad).abs().max().item()}
+
+
+# --- token-budget micro-batches and sequence packing vs the padded path ---------------------
+
+
+def _within(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> float:
+    return (a - b).abs().masked_fill(~valid, 0).max().item()
+
+
+def _held_params(key: str) -> torch.Tensor:
+    from megarl.workers.megatron_model import held
+
+    return torch.cat([p.detach().reshape(-1).float() for chunk in held(key).chunks for p in chunk.parameters()])
+
+
+def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, batch: dict, algo: dict,
+                      optim: dict, budget: int) -> dict | None:
+    """Max differences of log-probs, entropy, values, scores and one policy step between the
+    padded path (fixed micro-batches of 2) and token-budget / packed micro-batches.
+
+    Token-level results are compared at each sequence's label positions (the padded path
+    also computes outputs on its padding, which the cut and packed paths leave at 0).
+    """
+    from megarl.workers import megatron_model, rl_fns
+
+    variants = {"budget": {"max_tokens_per_microbatch": budget},
+                "packed": {"pack_sequences": True},
+                "packed_budget": {"pack_sequences": True, "max_tokens_per_microbatch": budget}}
+    width = batch["tokens"].shape[1]
+    valid = torch.arange(width - 1).unsqueeze(0) < (batch["seq_lens"] - 1).unsqueeze(1)
+    out: dict[str, float] = {}
+
+    def shard_valid(dp_rank: int, dp: int) -> torch.Tensor:
+        return valid.chunk(dp)[dp_rank]
+
+    megatron_model.load("pk", hf_dir, parallel)
+    info = megatron_model.held("pk").info
+    padded = rl_fns.logprobs("pk", batch, micro_batch_size=2, entropy=True)
+    for name, kwargs in variants.items():
+        got = rl_fns.logprobs("pk", batch, micro_batch_size=2, entropy=True, **kwargs)
+        if got is not None:
+            v = shard_valid(info.dp_rank, info.dp)
+            out[f"{name}/logprobs"] = _within(got[1]["logprobs"], padded[1]["logprobs"], v)
+            out[f"{name}/entropy"] = _within(got[1]["entropy"], padded[1]["entropy"], v)
+            out[f"{name}/zero_outside"] = got[1]["logprobs"].masked_fill(v, 0).abs().max().item()
+    # one policy step on each path, from the same weights
+    steps, params = {}, {}
+    for name, kwargs in {"padded": {}, "packed_budget": variants["packed_budget"]}.items():
+        megatron_model.load("pk", hf_dir, parallel)
+        before = _held_params("pk")
+        steps[name] = rl_fns.train_policy("pk", batch, algo, optim, micro_batch_size=2, **kwargs)
+        params[name] = _held_params("pk")
+    out["train/params"] = (params["padded"] - params["packed_budget"]).abs().max().item()
+    out["train/params_moved"] = (params["padded"] - before).abs().max().item()
+    if steps["padded"] is not None:
+        for metric in ("pg_loss", "grad_norm", "entropy"):
+            out[f"train/{metric}"] = abs(steps["padded"][0][metric] - steps["packed_budget"][0][metric])
+    # the critic / reward model path: a value head
+    megatron_model.load("pk", reward_dir, parallel, value_head=True)
+    padded_values = rl_fns.values("pk", batch, micro_batch_size=2)
+    padded_scores = rl_fns.scores("pk", batch, micro_batch_size=2)
+    for name, kwargs in variants.items():
+        got_values = rl_fns.values("pk", batch, micro_batch_size=2, **kwargs)
+        got_scores = rl_fns.scores("pk", batch, micro_batch_size=2, **kwargs)
+        if got_values is not None:
+            out[f"{name}/values"] = _within(got_values[1], padded_values[1], shard_valid(info.dp_rank, info.dp))
+            out[f"{name}/scores"] = (got_scores[1] - padded_scores[1]).abs().max().item()
+    megatron_model.unload("pk")
+    return out or None

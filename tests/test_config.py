@@ -179,6 +179,7 @@ def test_unknown_override_key_names_the_dotted_key_and_suggests():
 def test_unknown_key_lists_known_keys_when_nothing_is_close():
     with pytest.raises(ConfigError, match=r"unknown key 'actor\.zzzz'; known keys here: "
                                           r"model, parallel, precision, optim, micro_batch_size, "
+                                          r"max_tokens_per_microbatch, pack_sequences, "
                                           r"colocate_with, cpus_per_rank, gpus_per_rank$"):
         load_config(RunConfig, None, ["actor.zzzz=1"])
 
@@ -555,3 +556,36 @@ def test_validate_through_the_loader(llama_dir, tmp_path):
 ])
 def test_padded_vocab_size(vocab, multiple, tp, expected):
     assert padded_vocab_size(vocab, multiple, tp) == expected
+
+
+# --------------------------------------------------------------------------- micro-batching
+
+
+def test_token_budget_must_hold_the_longest_sequence(llama_dir):
+    cfg = actor_run(llama_dir)
+    cfg.data.max_prompt_len, cfg.rollout.max_tokens = 100, 60
+    cfg.actor.max_tokens_per_microbatch = 159
+    assert ("actor.max_tokens_per_microbatch=159 is smaller than the longest possible sequence, "
+            "data.max_prompt_len + rollout.max_tokens = 160") in invalid(cfg)
+    cfg.actor.max_tokens_per_microbatch = 160
+    assert "actor" in validate_run(cfg, CPU)
+
+
+def test_cut_or_packed_microbatches_need_no_multiple_of_micro_batch_size(llama_dir):
+    cfg = actor_run(llama_dir)
+    cfg.data.prompts_per_step, cfg.rollout.n, cfg.actor.micro_batch_size = 3, 2, 4  # 6 sequences
+    assert "must split over dp=1 ranks into 1 minibatch(es) of micro_batch_size=4" in invalid(cfg)
+    cfg.actor.pack_sequences = True
+    assert "actor" in validate_run(cfg, CPU)
+    cfg.actor.pack_sequences, cfg.actor.max_tokens_per_microbatch = False, 4096
+    assert "actor" in validate_run(cfg, CPU)
+
+
+def test_packing_refuses_context_parallel_and_local_sliding_windows(tmp_path):
+    mistral = write_model(tmp_path / "mistral", {**LLAMA, "model_type": "mistral", "sliding_window": 8})
+    cfg = actor_run(mistral, cp=2, world_size=2)
+    cfg.actor.pack_sequences = True
+    message = invalid(cfg)
+    assert "actor.pack_sequences needs actor.parallel.cp=1" in message
+    assert "actor.pack_sequences: mistral attends within a sliding window" in message
+    assert "sliding window" not in invalid(cfg, GPU_TE)  # Transformer Engine's THD kernels apply both

@@ -23,6 +23,7 @@ from megarl.data import (
     token_budget_microbatches,
     tokenize_prompts,
 )
+from megarl.data.batching import plan_microbatches
 from megarl.rewards import ReasoningGymReward, RewardInput
 
 # ---------------------------------------------------------------- loaders
@@ -260,3 +261,61 @@ def test_pad_right():
     assert tokens.tolist() == [[1, 2, 9, 9]] and mask.sum().item() == 2
     with pytest.raises(ValueError, match="pad_to 1 is shorter"):
         pad_right([[1, 2]], pad_id=0, pad_to=1)
+
+
+def _rows_of(plan, lengths):
+    """The plan's input rows with token ``1000 * sequence + position`` (-1: padding)."""
+    rows = torch.full((plan.rows, plan.width), -1)
+    for k, i in enumerate(plan.index):
+        rows[plan.row[k], plan.start[k]:plan.start[k] + lengths[i]] = 1000 * i + torch.arange(lengths[i])
+    return rows
+
+
+@pytest.mark.parametrize("mode", [{"max_tokens": 40}, {"pack": True}, {"pack": True, "max_tokens": 70}])
+def test_microbatch_plans_cover_every_sequence_and_never_cross_a_boundary(mode):
+    rng = random.Random(1)
+    lengths = [rng.randint(2, 32) for _ in range(23)]
+    plans = plan_microbatches(lengths, width=32, micro_batch_size=3, multiple=2, **mode)
+    assert sorted(i for p in plans for i in p.index) == list(range(23))
+    assert plans == plan_microbatches(lengths, width=32, micro_batch_size=3, multiple=2, **mode)
+    for plan in plans:
+        assert plan.width % 2 == 0 and plan.width <= (32 if mode != {"pack": True, "max_tokens": 70} else 70)
+        budget = mode.get("max_tokens")
+        if budget is not None:
+            assert plan.rows * (plan.width - 1) <= budget  # up to rounding the width to the multiple
+        if "pack" not in mode:
+            assert not plan.packed and plan.width - 1 <= max(plan.length) <= plan.width
+        else:
+            assert plan.rows == 1 and plan.width <= budget + 1 if budget else plan.rows <= 3
+        rows = _rows_of(plan, lengths)
+        # a label position's prediction target is the next token of the same sequence
+        index, valid = plan.label_gather()
+        targets = rows[:, 1:].reshape(-1)[index]
+        for k, i in enumerate(plan.index):
+            assert valid[k].sum() == lengths[i] - 1
+            assert targets[k, :lengths[i] - 1].tolist() == [1000 * i + t for t in range(1, lengths[i])]
+        for r, bounds in enumerate(plan.segments()):
+            # each row: its sequences back to back from column 0, then (maybe) a padding tail
+            assert bounds[0] == 0 and bounds[-1] == plan.width and bounds == sorted(set(bounds))
+            members = sorted(plan.start[k] for k in range(len(plan.index)) if plan.row[k] == r)
+            assert members == bounds[:len(members)]
+    packed_tokens = sum(p.rows * p.width for p in plans)
+    if "pack" in mode:
+        assert packed_tokens < 0.8 * 32 * 23  # most of the padding is gone
+
+
+def test_fixed_plans_keep_todays_microbatches():
+    plans = plan_microbatches([5, 3, 8, 2], width=8, micro_batch_size=2)
+    assert [(p.index, p.rows, p.width) for p in plans] == [([0, 1], 2, 8), ([2, 3], 2, 8)]
+    with pytest.raises(ValueError, match="4 sequences per data-parallel rank are not a multiple of micro_batch_size=3"):
+        plan_microbatches([5, 3, 8, 2], width=8, micro_batch_size=3)
+    with pytest.raises(ValueError, match="sequence 2 has 9 tokens > width 8"):
+        plan_microbatches([5, 3, 9, 2], width=8, micro_batch_size=2, pack=True)
+
+
+def test_packed_plan_example():
+    # rows as long as the longest sequence (7), filled longest first: [7], [5, 2], [3]; two rows each
+    first, second = plan_microbatches([5, 3, 2, 7], width=8, micro_batch_size=2, pack=True)
+    assert first.index == [3, 0, 2] and first.row == [0, 1, 1] and first.start == [0, 0, 5]
+    assert first.packed and first.width == 7 and first.segments() == [[0, 7], [0, 5, 7]]
+    assert second.index == [1] and not second.packed and second.width == 3

@@ -1,20 +1,32 @@
-"""Every recipe in model_configs/ loads and validates."""
+"""Every recipe in model_configs/ loads and validates; the big ones state their GPU count, and the
+planner finds every GPU of the stated type within memory."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from megarl.config.loader import load_config
+from megarl.config.loader import ConfigError, load_config
 from megarl.config.schema import RunConfig
 from megarl.config.validate import validate_run
 
 RECIPES = sorted((Path(__file__).parent.parent / "model_configs").glob("*.yaml"))
+# "# ...: 48 GPUs (6 nodes of 8 x H100 80GB)." in a cluster recipe's first line
+HEADER = re.compile(r"(\d+) GPUs \((\d+) nodes? of (\d+) x (H100 80GB|H200 141GB|A100 80GB)\)")
+GPU_NAMES = {"H100 80GB": "h100-80gb", "H200 141GB": "h200-141gb", "A100 80GB": "a100-80gb"}
+
+
+def _cluster_recipes() -> list[Path]:
+    return [r for r in RECIPES if HEADER.search(r.read_text().splitlines()[0])]
 
 
 def test_there_are_recipes():
     assert RECIPES
+    names = {r.stem for r in _cluster_recipes()}
+    assert {"llama3.1_8b_ppo", "llama3.1_70b_grpo", "llama3.1_405b_grpo", "qwen2.5_7b_grpo", "qwen2.5_32b_grpo",
+            "qwen2.5_72b_grpo", "mixtral_8x7b_grpo"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
@@ -24,9 +36,36 @@ def test_recipe_validates(recipe, smollm2):
     assert "actor" in archs
 
 
-def test_override_breaks_a_recipe_with_a_named_field(smollm2):
-    from megarl.config.loader import ConfigError
+@pytest.mark.parametrize("recipe", _cluster_recipes(), ids=[r.stem for r in _cluster_recipes()])
+def test_cluster_recipe_gpu_count_and_fit(recipe):
+    from megarl.plan.hardware import GIB, gpu_spec
+    from megarl.plan.recipe import evaluate_recipe, recipe_gpus
 
+    gpus, nodes, per_node, kind = HEADER.search(recipe.read_text().splitlines()[0]).groups()
+    cfg = load_config(RunConfig, recipe)
+    assert recipe_gpus(cfg) == int(gpus) == int(nodes) * int(per_node)
+    plan = evaluate_recipe(cfg, gpu_spec(GPU_NAMES[kind]))
+    over = {group: round(mem.total / GIB, 1) for group, mem in plan.per_gpu.items() if mem.total > plan.capacity}
+    assert not over and not plan.problems, (over, plan.problems)
+
+
+def test_cluster_recipe_without_readable_arch_names_both_fields():
+    recipe = next(r for r in RECIPES if r.stem == "llama3.1_8b_ppo")
+    cfg = load_config(RunConfig, recipe, ["actor.model.arch=no-such-model"])
+    with pytest.raises(ConfigError, match=r"actor\.model\.path: .* does not exist; and actor\.model\.arch: "
+                                          r"no-such-model is neither"):
+        validate_run(cfg)
+
+
+def test_arch_must_match_a_readable_path(smollm2):
+    recipe = Path(__file__).parent.parent / "model_configs" / "smollm2_135m_cpu.yaml"
+    cfg = load_config(RunConfig, recipe, ["actor.model.arch=llama3.1-8b"])
+    with pytest.raises(ConfigError, match=r"actor\.model\.arch='llama3.1-8b' does not match actor\.model\.path: "
+                                          r".*hidden_size: 576 != 4096"):
+        validate_run(cfg)
+
+
+def test_override_breaks_a_recipe_with_a_named_field(smollm2):
     recipe = Path(__file__).parent.parent / "model_configs" / "smollm2_135m_cpu.yaml"
     cfg = load_config(RunConfig, recipe, ["actor.parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"actor\.parallel\.tp=2 does not divide num_attention_heads=9"):

@@ -11,10 +11,34 @@ from megarl.workers import megatron_model, rl_fns
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_vocab_parallel_logprobs_and_entropy_match_the_full_vocabulary(tp, pools):
-    # vocab 250 padded to 256: the last TP rank's slice is partly padding
-    for result in pools.get(4).run(rank_jobs.vocab_parallel_vs_naive, tp=tp, vocab=250, padded=256):
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_vocab_parallel_logprobs_and_entropy_match_the_full_vocabulary(tp, chunk_rows, pools):
+    # vocab 250 padded to 256: the last TP rank's slice is partly padding. chunk_rows=3 walks the
+    # 3 x 7 tokens of the non-contiguous logits[:, :-1] in chunks that do not divide a sequence.
+    for result in pools.get(4).run(rank_jobs.vocab_parallel_vs_naive, tp=tp, vocab=250, padded=256,
+                                   chunk_rows=chunk_rows):
         assert result["logprob"] < 1e-5 and result["entropy"] < 1e-4 and result["grad"] < 1e-5, result
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprob_bench_measures_the_chunked_path_far_below_the_naive_one(tp, pools):
+    from megarl.bench.logprob import _row, run_rank_cases
+
+    # 2 x 64 tokens, vocab 1000 padded to 1024 (the last rank's slice is partly padding), 8-token chunks
+    cases = [{"vocab": 1000, "padded": 1024, "batch": 2, "seq": 64, "dtype": "float32", "backward": backward,
+              "chunk_rows": 8} for backward in (False, True)]
+    per_rank = pools.get(4).run(run_rank_cases, tp=tp, cases=cases)
+    width, tokens = 1024 // tp, 2 * 63
+    chunk = 8 * width * 4
+    for fwd, bwd in per_rank:
+        assert fwd["input_bytes"] == bwd["input_bytes"] == 2 * 64 * width * 4
+        assert fwd["naive_bytes"] >= tokens * 1000 * 4  # at least the full-vocabulary log-softmax
+        assert fwd["megarl_bytes"] <= 2 * chunk + 64 * tokens  # two chunk buffers + per-token vectors
+        assert bwd["megarl_bytes"] <= bwd["input_bytes"] + 2 * chunk + 64 * tokens  # + the logits' gradient
+        assert bwd["split_bytes"] > bwd["megarl_bytes"]
+    for i, case in enumerate(cases):
+        row = _row(tp, case, [r[i] for r in per_rank])
+        assert row["values_match"] and row["pass"], row
 
 
 def _batch(seed=0, batch=8, prompt=5, seq=20, vocab=250):
@@ -74,3 +98,29 @@ def test_logprobs_are_gathered_in_batch_order(pools, tiny_models):
     assert (got["logprobs"] - lp_hf).abs().max() < 1e-4
     assert got["entropy"].shape == lp_hf.shape and (got["entropy"] > 0).all()
     pool.run(megatron_model.unload, key="ref")
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, pp=2, world_size=4)],
+                         ids=["tp1-dp4", "tp2-pp2"])
+def test_token_budget_and_packing_match_the_padded_path(par, pools, tiny_models, tiny_reward_model):
+    # Lengths 6..32 over 16 sequences: 4 per data-parallel rank at dp=4, where ranks get
+    # different numbers of micro-batches; under pp=2 the micro-batch shapes vary.
+    hf = str(tiny_models["llama"])
+    batch = _batch(seed=2, batch=16, prompt=5, seq=32)
+    _, _, lp_hf = _hf_policy_loss_and_grad_norm(hf, batch)
+    batch["old_logprobs"] = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
+        * batch["mask"]
+    batch["denoms"] = [batch["mask"].sum().item()]
+    algo = vars(AlgorithmConfig(name="grpo", entropy_coef=0.01))
+    # adam_eps=1: the first step moves each weight by g / (|g| + 1), close to linear in its
+    # gradient, so equal updated weights mean equal gradients, not just equal signs.
+    optim = vars(OptimizerConfig(lr=1.0, adam_eps=1.0))
+    results = [r for r in pools.get(4).run(rank_jobs.packing_vs_padded, hf_dir=hf, reward_dir=str(tiny_reward_model),
+                                           parallel=par, batch=batch,
+                                           algo=algo, optim=optim, budget=48) if r is not None]
+    assert results
+    for result in results:
+        assert result["train/params_moved"] > 1e-3, result
+        for name, diff in result.items():
+            if name != "train/params_moved":
+                assert diff <= 1e-5, (name, diff, result)

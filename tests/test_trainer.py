@@ -3,9 +3,12 @@
 Tiny models carry SmolLM2's tokenizer and chat template (so prompts, decoding and
 rewards are real), with vLLM's smallest CPU-friendly shape (head_dim 32).
 
-- GRPO, 4 steps straight vs 2 steps + `kill -9` of the actor's worker + resume: the
-  kill ends the run within 60 s naming role, rank and phase, and the resumed run's
-  metrics equal the straight run's bit for bit (fp32 on CPU).
+- GRPO (the actor packing sequences, the reference on a token budget), 4 steps
+  straight vs 2 steps + `kill -9` of the actor's worker + resume: the kill ends the
+  run within 60 s naming role, rank and phase, and the resumed run's metrics equal
+  the straight run's bit for bit (fp32 on CPU).
+- The same run colocated (actor, reference and vLLM on shared bundles, offloading
+  and sleeping in turn) repeats the disaggregated one bit for bit.
 - PPO with critic, reward model and reference, each its own placement group, the
   actor at tp=2.
 """
@@ -15,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,31 +27,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_hf
+from conftest import SMOLLM2_VOCAB as VOCAB
+from conftest import build_tiny_policy, with_smollm2_tokenizer
 
 from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
 from megarl.config.validate import validate_run
 from megarl.recipes import DEFAULT
 
-VOCAB = 49152  # SmolLM2's
-
-
-def _with_tokenizer(model_dir: Path, smollm2: Path) -> Path:
-    for path in smollm2.iterdir():  # tokenizer files and chat template: all but weights and config
-        if path.is_file() and path.suffix not in (".safetensors", ".bin") and path.name != "config.json":
-            shutil.copy(path, model_dir / path.name)
-    return model_dir
-
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory, smollm2) -> Path:
-    path = build_tiny_hf("llama", tmp_path_factory.mktemp("policy") / "llama", hidden_size=128,
-                         intermediate_size=256, num_hidden_layers=2, vocab_size=VOCAB, tie_word_embeddings=True,
-                         initializer_range=0.02, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    return _with_tokenizer(path, smollm2)
+    return build_tiny_policy(tmp_path_factory.mktemp("policy") / "llama", smollm2)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +54,7 @@ def reward_model(tmp_path_factory, smollm2) -> Path:
     model = transformers.LlamaForSequenceClassification(config).float().eval()
     path = tmp_path_factory.mktemp("reward") / "llama-reward"
     model.save_pretrained(path)
-    return _with_tokenizer(path, smollm2)
+    return with_smollm2_tokenizer(path, smollm2)
 
 
 class _LengthReward(BaseHTTPRequestHandler):
@@ -101,6 +90,10 @@ def grpo_overrides(policy: Path, reward_url: str, out: Path, steps: int) -> list
             "data.prompts_per_step=2", "data.size=16", "rollout.n=4", "rollout.max_tokens=12",
             "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=4",
             "reference.micro_batch_size=8", "actor.optim.lr=1e-3", "algorithm.kl_coef=0.01",
+            # padding removed: the actor packs sequences into rows of <= 256 tokens, the reference
+            # cuts micro-batches by the same budget
+            "actor.pack_sequences=true", "actor.max_tokens_per_microbatch=256",
+            "reference.max_tokens_per_microbatch=256",
             "trainer.tensorboard=false", "trainer.wandb=false", "trainer.collective_timeout_s=20",
             "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
 

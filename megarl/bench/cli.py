@@ -25,6 +25,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the full-tensor baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_refit_cmd)
+    from megarl.bench.memory import add_parser as add_memory_parser  # planner memory model vs mcore
+
+    add_memory_parser(bs)
+    from megarl.bench import scaling_cli
+
+    scaling_cli.add_parser(bs)
+    from megarl.bench import logprob_cli
+
+    logprob_cli.add_parser(bs)
+    from megarl.bench.e2e import add_e2e_parser  # megarl vs TRL's GRPOTrainer
+
+    add_e2e_parser(bs)
 
 
 def run_refit_cmd(args: argparse.Namespace) -> int:

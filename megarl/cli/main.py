@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cli.add_parser(sub)
     bench_cli.add_parser(sub)
     demo.add_parser(sub)
+    from megarl.cli import plan as plan_cli  # megarl plan: layouts that fit
+
+    plan_cli.add_parser(sub)
     return parser
 
 

@@ -54,6 +54,9 @@ def ensure_ray(num_cpus: int | None = None, namespace: str = "megarl", *,
         num_cpus=num_cpus if num_cpus is not None else max(DEFAULT_LOCAL_CPUS, os.cpu_count() or 1),
         object_store_memory=object_store_mib * 1024**2,
         include_dashboard=False,
+        # Ranks and vLLM take turns on few cores; OpenMP threads that spin after their work
+        # (the default) steal those cores from the process whose turn it is.
+        runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
         **common,
     )
 

@@ -55,6 +55,10 @@ class PrecisionConfig:
 @dataclass
 class ModelConfig:
     path: str = ""  # an HF model directory, or a megarl (megatron-core) checkpoint
+    # The architecture when ``path`` is not readable here (weights on a cluster file system):
+    # an HF config.json (or its folder) or a name from model_configs/archs. Used to validate
+    # and plan; a readable ``path`` must match it.
+    arch: str = ""
     vocab_pad_multiple: int = 128  # padded vocab = multiple of lcm(this, tp)
 
 
@@ -77,6 +81,13 @@ class RoleConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)  # trained roles only
     micro_batch_size: int = 8  # sequences per forward/backward micro-batch
+    # Micro-batches by token budget: each holds at most this many token positions (rows x
+    # longest sequence, padding included), cut to its longest sequence, so short sequences
+    # travel many to a micro-batch. None: micro_batch_size sequences of the padded batch.
+    max_tokens_per_microbatch: int | None = None
+    # Sequences packed end to end into rows (padding removed), kept apart by the attention
+    # mask (CPU) or varlen THD kernels (Transformer Engine); micro_batch_size then counts rows.
+    pack_sequences: bool = False
     # Placement: None gives the role its own bundles (disaggregated); the name of another
     # role puts its ranks on that role's bundles (colocated).
     colocate_with: str | None = None

@@ -89,6 +89,24 @@ def precision_errors(prec: PrecisionConfig, where: str, platform: Platform) -> l
     return errors
 
 
+def batching_errors(cfg: RunConfig, name: str, arch: ModelArch, platform: Platform) -> list[str]:
+    """Token-budget micro-batches and sequence packing of role ``name``."""
+    role, errors = cfg.roles()[name], []
+    budget = role.max_tokens_per_microbatch
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    if budget is not None and budget < longest:
+        errors.append(f"{name}.max_tokens_per_microbatch={budget} is smaller than the longest possible sequence, "
+                      f"data.max_prompt_len + rollout.max_tokens = {longest}")
+    if role.pack_sequences and role.parallel.cp > 1:
+        errors.append(f"{name}.pack_sequences needs {name}.parallel.cp=1 "
+                      "(packed rows are not split over context-parallel ranks)")
+    if role.pack_sequences and arch.sliding_window and platform.layer_spec_kind != "te":
+        errors.append(f"{name}.pack_sequences: {arch.family} attends within a sliding window, which the local "
+                      "(CPU) attention applies in place of the packing mask; set pack_sequences=false or run "
+                      "on a GPU with Transformer Engine")
+    return errors
+
+
 def padded_vocab_size(vocab_size: int, pad_multiple: int, tp: int) -> int:
     multiple = math.lcm(pad_multiple, tp)
     return -(-vocab_size // multiple) * multiple
@@ -108,11 +126,29 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         try:
             arch = read_model_arch(role.model.path)
         except (ArchError, ConfigError, OSError) as e:
-            errors.append(f"{name}.model.path: {e}")
-            continue
+            if not role.model.arch:
+                errors.append(f"{name}.model.path: {e}")
+                continue
+            arch = None
+            path_error = e
+        if role.model.arch:
+            from megarl.plan.archs import load_arch  # ships architectures of models not on this machine
+
+            try:
+                declared = load_arch(role.model.arch)
+            except (ArchError, OSError) as e:
+                errors.append(f"{name}.model.arch: {e}" if arch is not None else
+                              f"{name}.model.path: {path_error}; and {name}.model.arch: {e}")
+                continue
+            if arch is not None and arch.mismatches(declared):
+                errors.append(f"{name}.model.arch={role.model.arch!r} does not match {name}.model.path: "
+                              + "; ".join(arch.mismatches(declared)))
+                continue
+            arch = arch or declared
         archs[name] = arch
         errors += parallel_errors(arch, role.parallel, f"{name}.parallel")
         errors += precision_errors(role.precision, f"{name}.precision", platform)
+        errors += batching_errors(cfg, name, arch, platform)
         if role.model.vocab_pad_multiple < 1:
             errors.append(f"{name}.model.vocab_pad_multiple must be >= 1")
     if "actor" in archs and not errors:  # the RL checks assume sane layouts (dp > 0)
@@ -167,10 +203,12 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         dp = role.parallel.data_parallel_size
         per_rank = sequences // dp if sequences % dp == 0 else None
         steps = algo.minibatches if name in ("actor", "critic") else 1
-        if per_rank is None or per_rank % (steps * role.micro_batch_size):
+        # cut or packed micro-batches take any number of sequences; fixed ones a multiple
+        fixed = 1 if role.max_tokens_per_microbatch is not None or role.pack_sequences else role.micro_batch_size
+        if per_rank is None or per_rank % (steps * fixed):
             errors.append(f"{name}: {sequences} sequences per step (data.prompts_per_step x rollout.n) must split "
-                          f"over dp={dp} ranks into {steps} minibatch(es) of micro_batch_size="
-                          f"{role.micro_batch_size}")
+                          f"over dp={dp} ranks into {steps} minibatch(es)"
+                          + (f" of micro_batch_size={role.micro_batch_size}" if fixed > 1 else ""))
     if data.source.startswith("reasoning_gym:"):
         import reasoning_gym
 

@@ -6,6 +6,7 @@ so every data-parallel rank that sees the same lengths builds the same batches.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,31 +76,34 @@ class PackedRows:
         return out
 
 
-def pack_sequences(seqs: Sequence[Sequence[int]], max_len: int) -> PackedRows:
-    """First-fit decreasing: longest sequence first (ties by index), each into the first
-    row with room, a new row when none has. Rows hold at most ``max_len`` tokens; a
-    sequence longer than ``max_len`` is an error (splitting it would change its meaning),
-    and so is an empty one (a zero-length segment breaks varlen kernels).
-    """
-    lengths = [len(seq) for seq in seqs]
+def first_fit_decreasing(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Rows of input indices, each summing to at most ``max_len`` tokens: longest first
+    (ties by index), each into the first row with room, a new row when none has."""
     _check_lengths(lengths, max_len, "max_len", "sequence")
     empty = [i for i, length in enumerate(lengths) if length == 0]
     if empty:
         raise ValueError(f"sequence {empty[0]} is empty; packing needs at least one token per sequence")
     rows: list[list[int]] = []
-    cu_seqlens: list[list[int]] = []
-    seq_index: list[list[int]] = []
-    for index in sorted(range(len(seqs)), key=lambda i: (-lengths[i], i)):
-        length = lengths[index]
-        r = next((r for r, cu in enumerate(cu_seqlens) if cu[-1] + length <= max_len), None)
+    fill: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, used in enumerate(fill) if used + lengths[index] <= max_len), None)
         if r is None:
             r = len(rows)
             rows.append([])
-            cu_seqlens.append([0])
-            seq_index.append([])
-        rows[r].extend(seqs[index])
-        cu_seqlens[r].append(cu_seqlens[r][-1] + length)
-        seq_index[r].append(index)
+            fill.append(0)
+        rows[r].append(index)
+        fill[r] += lengths[index]
+    return rows
+
+
+def pack_sequences(seqs: Sequence[Sequence[int]], max_len: int) -> PackedRows:
+    """First-fit decreasing (see ``first_fit_decreasing``). Rows hold at most ``max_len``
+    tokens; a sequence longer than ``max_len`` is an error (splitting it would change its
+    meaning), and so is an empty one (a zero-length segment breaks varlen kernels).
+    """
+    seq_index = first_fit_decreasing([len(seq) for seq in seqs], max_len)
+    rows = [[token for index in indices for token in seqs[index]] for indices in seq_index]
+    cu_seqlens = [[0, *itertools.accumulate(len(seqs[index]) for index in indices)] for indices in seq_index]
     return PackedRows(tokens=rows, cu_seqlens=cu_seqlens, seq_index=seq_index, max_len=max_len)
 
 
@@ -120,3 +124,130 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int,
             tokens[row, :len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
             mask[row, :len(seq)] = True
     return tokens, mask
+
+
+# --- micro-batch plans for the model's forward/backward ------------------------------------
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Where each sequence of one micro-batch sits in the model's input, ``[rows, width]``.
+
+    Sequence ``k`` of the micro-batch is input sequence ``index[k]``; its ``length[k]``
+    tokens start at column ``start[k]`` of row ``row[k]``. A row holds one sequence
+    (right-padded) or several packed end to end; columns past a row's last sequence are
+    padding, which no sequence attends to (it comes after them, and attention is causal).
+    """
+
+    index: list[int]
+    row: list[int]
+    start: list[int]
+    length: list[int]
+    rows: int
+    width: int
+
+    @property
+    def packed(self) -> bool:
+        """More than one sequence shares a row: attention needs a block-diagonal mask."""
+        return len(set(self.row)) < len(self.row)
+
+    @property
+    def label_width(self) -> int:
+        """Label positions of the longest sequence (predictions of its tokens 1..n-1)."""
+        return max(self.length) - 1
+
+    def segments(self) -> list[list[int]]:
+        """Per row, the boundaries ``[0, l1, l1+l2, ..., width]`` of its sequences; a padding
+        tail is a segment of its own (what a varlen / THD attention kernel takes)."""
+        bounds: list[list[int]] = [[0] for _ in range(self.rows)]
+        for k in sorted(range(len(self.index)), key=lambda k: (self.row[k], self.start[k])):
+            bounds[self.row[k]].append(self.start[k] + self.length[k])
+        return [b if b[-1] == self.width else [*b, self.width] for b in bounds]
+
+    def label_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index [b, label_width] long, valid [b, label_width] bool)``.
+
+        ``index`` points into per-position outputs of the rows flattened to
+        ``[rows * (width - 1)]`` (positions 0..width-2: the predictions of the next token),
+        so ``flat[index]`` is each sequence's own ``[label_width]`` row, aligned with its
+        unpacked label positions. Positions past a sequence's end are not ``valid`` and
+        point at position 0 (in range, so they can be gathered, and then ignored); no
+        valid position reads across a sequence boundary.
+        """
+        k = torch.arange(self.label_width)
+        length = torch.tensor(self.length).unsqueeze(1)
+        valid = k.unsqueeze(0) < length - 1
+        base = (torch.tensor(self.row) * (self.width - 1) + torch.tensor(self.start)).unsqueeze(1)
+        return torch.where(valid, base + k, torch.zeros((), dtype=torch.long)), valid
+
+
+def plan_microbatches(lengths: Sequence[int], width: int, micro_batch_size: int,
+                      max_tokens: int | None = None, pack: bool = False,
+                      multiple: int = 1) -> list[MicroBatchPlan]:
+    """Splits sequences of ``lengths`` tokens (right-padded to ``width``) into micro-batches.
+
+    - neither option: ``micro_batch_size`` consecutive sequences per micro-batch, each
+      ``[micro_batch_size, width]`` as given (today's fixed shapes);
+    - ``max_tokens``: ``token_budget_microbatches`` groups, each cut to its longest
+      sequence (rounded up to ``multiple``), so ``rows x width <= max_tokens`` up to rounding;
+    - ``pack``: sequences packed end to end (``first_fit_decreasing``), with ``max_tokens``
+      into one row of at most ``max_tokens`` per micro-batch; without, into rows as long as
+      the longest sequence, ``micro_batch_size`` rows per micro-batch; each cut to its
+      fullest row. (Local attention on CPU materialises ``width x width`` scores per head,
+      so there a long packed row costs more attention than the padded rows it replaces.)
+
+    ``multiple`` is what the sequence dimension must divide by (the TP size under
+    sequence parallelism). Deterministic in its inputs, so every rank of a shard
+    builds the same plan.
+    """
+    n = len(lengths)
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    _check_lengths(lengths, width, "width", "sequence")
+    if max_tokens is None and not pack:
+        if n % micro_batch_size:
+            raise ValueError(f"{n} sequences per data-parallel rank are not a multiple of "
+                             f"micro_batch_size={micro_batch_size}")
+        return [MicroBatchPlan(index=list(range(i, i + micro_batch_size)), row=list(range(micro_batch_size)),
+                               start=[0] * micro_batch_size, length=list(lengths[i:i + micro_batch_size]),
+                               rows=micro_batch_size, width=width)
+                for i in range(0, n, micro_batch_size)]
+    if n == 0:
+        return []
+    if not pack:
+        plans = []
+        for group in token_budget_microbatches(lengths, max_tokens):
+            used = [lengths[i] for i in group]
+            plans.append(MicroBatchPlan(index=list(group), row=list(range(len(group))), start=[0] * len(group),
+                                        length=used, rows=len(group), width=_round_up(max(used), multiple)))
+        return plans
+    # With a budget, one row of up to max_tokens per micro-batch (one THD stream on GPU);
+    # without, rows as long as the longest sequence, micro_batch_size of them (today's shape).
+    row_len = max_tokens if max_tokens is not None else max(lengths)
+    rows = first_fit_decreasing(lengths, row_len)
+    per_mb = 1 if max_tokens is not None else micro_batch_size
+    plans = []
+    for first in range(0, len(rows), per_mb):
+        index, row, start, length = [], [], [], []
+        fills = []
+        for r, members in enumerate(rows[first:first + per_mb]):
+            offset = 0
+            for i in members:
+                index.append(i)
+                row.append(r)
+                start.append(offset)
+                length.append(lengths[i])
+                offset += lengths[i]
+            fills.append(offset)
+        plans.append(MicroBatchPlan(index=index, row=row, start=start, length=length, rows=len(fills),
+                                    width=_round_up(max(fills), multiple)))
+    return plans
+
+
+def padded_tokens(plans: Sequence[MicroBatchPlan]) -> int:
+    """Token positions the model computes for ``plans`` (sequences plus padding)."""
+    return sum(plan.rows * plan.width for plan in plans)

@@ -10,25 +10,19 @@ sequence-parallel norms and over the pipeline for tied embeddings).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megarl.config.schema import OptimizerConfig
 from megarl.models.logprobs import token_logprobs
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = True
+# The optimizer settings are the run config's (``optim`` of a role). The old name stays for
+# callers that build one by hand (benchmarks, ``megatron_model.lm_train_step``).
+OptimConfig = OptimizerConfig
 
 
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool = True) -> list:
@@ -52,12 +46,17 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool = True) -> list:
     ]
 
 
-def build_optimizer(ddp_chunks: list, cfg: OptimConfig):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig | dict[str, Any]):
+    """megatron-core's Adam over the DDP-wrapped chunks, from a role's ``optim`` config (or its
+    ``dataclasses.asdict``, as the rank functions receive it). ``warmup_steps`` is applied by the
+    caller, which sets the learning rate before each step."""
+    from megatron.core import optimizer as mcore_optimizer
 
+    if isinstance(cfg, dict):
+        cfg = OptimizerConfig(**cfg)
     config = ddp_chunks[0].config
-    return get_megatron_optimizer(
-        OptimizerConfig(
+    return mcore_optimizer.get_megatron_optimizer(
+        mcore_optimizer.OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad, bf16=config.bf16, fp16=config.fp16,
@@ -74,11 +73,16 @@ def train_step(ddp_chunks: list, optimizer, microbatches: list[dict[str, torch.T
     """One optimizer step over ``microbatches``; returns the per-microbatch metrics on the last stage.
 
     ``forward(model, batch)`` runs the model on one microbatch; ``loss_fn(output, batch)``
-    returns (loss, metrics). All microbatches need one shape (``tokens`` [b, s]).
+    returns (loss, metrics). The model input of a microbatch is ``batch["inputs"]["input_ids"]``
+    when present (packed / trimmed rows, see ``megarl.models.forward.rows_inputs``), else
+    ``batch["tokens"]``; shapes may differ between microbatches.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    (batch_size, seq), = {tuple(mb["tokens"].shape) for mb in microbatches}
+    from megarl.models.forward import schedule_shape
+
+    seq, batch_size = schedule_shape(ddp_chunks, [tuple(mb["inputs"]["input_ids"].shape if "inputs" in mb
+                                                         else mb["tokens"].shape) for mb in microbatches])
     for chunk in ddp_chunks:
         chunk.train()
         chunk.zero_grad_buffer()

@@ -53,7 +53,7 @@ def train(cfg: RunConfig) -> list[dict]:
 
 
 def policy_batch(batch, est, old, ref, cfg) -> dict:
-    out = {"tokens": batch.tokens, "mask": est["mask"], "advantages": est["advantages"],
+    out = {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "advantages": est["advantages"],
            "old_logprobs": old["logprobs"],
            "denoms": denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
     if ref is not None:
@@ -62,7 +62,8 @@ def policy_batch(batch, est, old, ref, cfg) -> dict:
 
 
 def value_batch(batch, est, values, cfg) -> dict:
-    return {"tokens": batch.tokens, "mask": est["mask"], "old_values": values, "returns": est["returns"],
+    return {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "old_values": values,
+            "returns": est["returns"],
             "denoms": denominators(est["mask"], cfg, cfg.critic.parallel.data_parallel_size)}
 
 

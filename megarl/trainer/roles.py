@@ -27,6 +27,11 @@ class MegatronRole:
     def _run(self, fn, **kwargs) -> list:
         return self.group.run(fn, timeout_s=self.timeout_s, **kwargs)
 
+    def _batching(self) -> dict[str, Any]:
+        """How the rank functions cut the batch: fixed micro-batches, a token budget, packing."""
+        return {"micro_batch_size": self.cfg.micro_batch_size, "pack_sequences": self.cfg.pack_sequences,
+                "max_tokens_per_microbatch": self.cfg.max_tokens_per_microbatch}
+
     def load(self, timeout_minutes: int = 30) -> None:
         """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
         self._run(megatron_model.load, key=self.name, source=self.source, parallel=self.cfg.parallel,
@@ -34,19 +39,19 @@ class MegatronRole:
 
     def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Any:
         return rl_fns.gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(),
-                                              micro_batch_size=self.cfg.micro_batch_size, entropy=entropy))
+                                              entropy=entropy, **self._batching()))
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         return rl_fns.gather_shards(self._run(rl_fns.values, key=self.name, batch=batch.to_workers(),
-                                              micro_batch_size=self.cfg.micro_batch_size))
+                                              **self._batching()))
 
     def scores(self, batch: RolloutBatch) -> torch.Tensor:
         return rl_fns.gather_shards(self._run(rl_fns.scores, key=self.name, batch=batch.to_workers(),
-                                              micro_batch_size=self.cfg.micro_batch_size))
+                                              **self._batching()))
 
     def train(self, fn, batch: dict, algo: AlgorithmConfig) -> dict[str, float]:
         shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=asdict(algo), optim=asdict(self.cfg.optim),
-                                       micro_batch_size=self.cfg.micro_batch_size) if r is not None]
+                                       **self._batching()) if r is not None]
         steps = []
         for per_shard in zip(*shards, strict=True):  # one entry per optimizer step
             merged = {k: (sum(s[k] for s in per_shard) if k in SUMMED else per_shard[0][k]) for k in per_shard[0]}

@@ -30,8 +30,7 @@ def _state(model, is_loading: bool) -> dict:
 
 
 def _adam_states(model) -> list[dict]:
-    return [state for opt in getattr(model.optimizer, "chained_optimizers", [model.optimizer])
-            for state in opt.optimizer.state.values()]
+    return [state for opt in model.optimizers() for state in opt.optimizer.state.values()]
 
 
 def _adam_step(model) -> float:
@@ -80,7 +79,7 @@ def load(key: str, ckpt_dir: str, optim: dict | None) -> None:
     if optim is not None:
         ensure_optimizer(model, optim)
         # torch Adam creates its state lazily; the loader needs it to exist.
-        for opt in getattr(model.optimizer, "chained_optimizers", [model.optimizer]):
+        for opt in model.optimizers():
             opt._init_optimizer_states_with_dummy_values()
     loaded = dist_checkpointing.load(_state(model, is_loading=True), ckpt_dir)
     keys = ["model"] if len(model.chunks) == 1 else [f"model{i}" for i in range(len(model.chunks))]

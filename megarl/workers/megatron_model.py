@@ -29,6 +29,13 @@ class HeldModel:
     optimizer: Any = None
     extra: dict = field(default_factory=dict)
 
+    def optimizers(self) -> list:
+        """The megatron optimizers behind ``optimizer`` (a ChainedOptimizer holds one per
+        parameter group kind, e.g. dense and expert); empty before the role first trains."""
+        if self.optimizer is None:
+            return []
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
 
 def held(key: str) -> HeldModel:
     return state.require(key)

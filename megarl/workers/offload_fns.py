@@ -25,12 +25,6 @@ from megarl.workers.megatron_model import HeldModel, held
 PARTS = ("params", "grads", "optimizer")
 
 
-def _optimizers(model: HeldModel) -> list:
-    if model.optimizer is None:
-        return []
-    return list(getattr(model.optimizer, "chained_optimizers", [model.optimizer]))
-
-
 def _ddp_buffers(chunk) -> list:
     """megatron-core DDP's contiguous param/grad buffers (none before the role first trains;
     an unwrapped module's ``buffers`` is nn.Module's method, not a list)."""
@@ -54,7 +48,7 @@ def _tensors(model: HeldModel, part: str) -> Iterator[torch.Tensor]:
             for buffer in _ddp_buffers(chunk):
                 yield buffer.grad_data
     elif part == "optimizer":
-        for opt in _optimizers(model):
+        for opt in model.optimizers():
             inner = opt.optimizer
             for group in inner.param_groups:  # fp32 main params (views of the model's when it is fp32)
                 yield from group["params"]

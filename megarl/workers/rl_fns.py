@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megarl.models.logprobs import token_entropy, token_logprobs
+from megarl.models.logprobs import next_token_logprobs
 from megarl.workers.megatron_model import HeldModel, held
 
 
@@ -31,12 +31,98 @@ def _shard(model: HeldModel, batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _microbatches(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    n = batch["tokens"].shape[0]
-    if n % size:
-        raise ValueError(f"{n} sequences per data-parallel rank are not a multiple of micro_batch_size={size}")
-    return [{k: (v[i:i + size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
-            for i in range(0, n, size)]
+def _lengths(shard: dict[str, Any], width: int) -> list[int]:
+    """Tokens of each sequence that matter: ``seq_lens`` when the batch has it, else up to
+    the last response token of ``mask`` (later tokens feed no loss term). At least 2 (one
+    label position), at most the padded width."""
+    if "seq_lens" in shard:
+        lengths = shard["seq_lens"]
+    else:
+        positions = torch.arange(1, width, device=shard["mask"].device)
+        lengths = ((shard["mask"] != 0) * positions).amax(dim=1) + 1
+    return [int(n) for n in lengths.clamp(min=2, max=width)]
+
+
+def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int,
+                  max_tokens: int | None = None, pack: bool = False) -> list[dict[str, Any]]:
+    """This shard's micro-batches: fixed ``micro_batch_size`` rows of the padded batch, or (token
+    budget / packing) rows cut to their longest sequence or packed; see ``plan_microbatches``.
+
+    Each holds the model's input (``tokens`` [rows, width], ``inputs``), where its sequences
+    sit (``index`` into the shard, ``gather`` / ``valid`` [b, T] over label positions,
+    ``seq_row`` / ``seq_start``), and every per-sequence field of the shard for its sequences,
+    token-level ones ([n, L-1]) cut to the micro-batch's ``T`` label positions.
+    """
+    from megarl.data.batching import plan_microbatches
+    from megarl.models.forward import rows_inputs
+
+    tokens = shard["tokens"]
+    n, width = tokens.shape
+    trimmed = max_tokens is not None or pack
+    lengths = _lengths(shard, width) if trimmed else [width] * n
+    par = model.spec.parallel
+    multiple = par.tp if par.sequence_parallel else 1
+    device = next(model.chunks[0].parameters()).device
+    out = []
+    for plan in plan_microbatches(lengths, width, micro_batch_size, max_tokens, pack, multiple):
+        index = torch.tensor(plan.index)
+        rows = torch.zeros(plan.rows, plan.width, dtype=tokens.dtype)  # padding: any valid id
+        for k, i in enumerate(plan.index):
+            begin, length = plan.start[k], plan.length[k]
+            rows[plan.row[k], begin:begin + length] = tokens[i, :length]
+        gather, valid = plan.label_gather()
+        labels = plan.label_width
+        mb = {"plan": plan, "index": index, "tokens": rows, "gather": gather, "valid": valid,
+              "seq_row": torch.tensor(plan.row), "seq_start": torch.tensor(plan.start)}
+        for key, value in shard.items():
+            if key == "tokens" or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
+                mb.setdefault(key, value)
+            elif value.dim() >= 2 and value.shape[1] == width - 1:
+                mb[key] = value[index, :labels]
+            else:
+                mb[key] = value[index]
+        mb = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+        mb["inputs"] = rows_inputs(mb["tokens"], plan)
+        out.append(mb)
+    return out
+
+
+def _per_label(x: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+    """Per-position outputs of the rows, ``[rows, width-1, ...]`` -> each sequence's label
+    positions ``[b, T, ...]`` (what the padded batch would have; 0 past a sequence's end)."""
+    picked = x.reshape(-1, *x.shape[2:])[mb["gather"]]
+    valid = mb["valid"].reshape(*mb["valid"].shape, *([1] * (picked.dim() - 2)))
+    return torch.where(valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+
+
+def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: bool = False):
+    """log p(next token) [b, T] of each sequence (and, with ``entropy``, each prediction's entropy),
+    computed on the rows in one pass, where a packed sequence's last position predicts the next
+    one's first token: never gathered. Passing the whole logits (not ``logits[:, :-1]``) spares
+    autograd a logits-sized gradient for the slice."""
+    if not entropy:
+        return _per_label(next_token_logprobs(logits, mb["tokens"], vocab), mb)
+    lp, ent = next_token_logprobs(logits, mb["tokens"], vocab, entropy=True)
+    return _per_label(lp, mb), _per_label(ent, mb)
+
+
+def _scatter(results: list, mbs: list[dict[str, Any]], n: int, width: int) -> Any:
+    """Per-micro-batch results ([b, T] or [b]) back into the shard's order, [n, L-1] or [n]."""
+    def place(parts: list[torch.Tensor]) -> torch.Tensor:
+        first = parts[0]
+        shape = (n, width - 1) if first.dim() == 2 else (n,)
+        out = torch.zeros(shape, dtype=first.dtype)
+        for part, mb in zip(parts, mbs, strict=True):
+            index = mb["index"].cpu()
+            if part.dim() == 2:
+                out[index, :part.shape[1]] = part.cpu()
+            else:
+                out[index] = part.cpu()
+        return out
+
+    if isinstance(results[0], dict):
+        return {k: place([r[k] for r in results]) for k in results[0]}
+    return place(results)
 
 
 def _reporting(model: HeldModel) -> bool:
@@ -54,80 +140,78 @@ def gather_shards(results: list) -> Any:
     return torch.cat(values)
 
 
-def _positions(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-
-
-def _forward(key: str, batch: dict[str, Any], micro_batch_size: int, head) -> tuple[int, Any] | None:
-    """Runs ``head(outputs, microbatch)`` on every micro-batch of this rank's shard, no grad."""
+def _forward(key: str, batch: dict[str, Any], micro_batch_size: int, head, max_tokens: int | None,
+             pack: bool) -> tuple[int, Any] | None:
+    """Runs ``head(outputs [rows, width, ...], microbatch)`` on every micro-batch of this rank's
+    shard, no grad; the results come back in the shard's order."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.models.forward import rows_forward, rows_output, schedule_shape
 
     model = held(key)
     shard = _shard(model, batch)
-    mbs = _microbatches(shard, micro_batch_size)
-    results = []
+    mbs = _microbatches(model, shard, micro_batch_size, max_tokens, pack)
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
-        out = chunk(mb["tokens"], _positions(mb["tokens"]), None)
-        return out, lambda o: (o.new_zeros(()), {"result": head(o, mb)})
+        out = rows_forward(chunk, mb["inputs"])
+        return out, lambda o: (o.new_zeros(()), {"result": head(rows_output(o, mb["inputs"]), mb)})
 
     for chunk in model.chunks:
         chunk.eval()
+    seq_length, rows = schedule_shape(model.chunks, [tuple(mb["inputs"]["input_ids"].shape) for mb in mbs])
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=[iter(mbs) for _ in model.chunks] if len(model.chunks) > 1 else iter(mbs),
-            model=model.chunks, num_microbatches=len(mbs), seq_length=shard["tokens"].shape[1],
-            micro_batch_size=micro_batch_size, forward_only=True)
+            model=model.chunks, num_microbatches=len(mbs), seq_length=seq_length,
+            micro_batch_size=rows, forward_only=True)
     if not _reporting(model):
         return None
-    results = [o["result"] for o in outputs]
-    if isinstance(results[0], dict):
-        return model.info.dp_rank, {k: torch.cat([r[k] for r in results]).cpu() for k in results[0]}
-    return model.info.dp_rank, torch.cat(results).cpu()
+    n, width = shard["tokens"].shape
+    return model.info.dp_rank, _scatter([o["result"] for o in outputs], mbs, n, width)
 
 
-def logprobs(key: str, batch: dict[str, Any], micro_batch_size: int, entropy: bool = False):
-    """log p(tokens[:, 1:]) [B, L-1] (and the entropy of each prediction) under the model."""
+def logprobs(key: str, batch: dict[str, Any], micro_batch_size: int, entropy: bool = False,
+             max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
+    """log p(tokens[:, 1:]) [B, L-1] (and the entropy of each prediction) under the model; 0 past
+    each sequence's end when micro-batches are cut or packed (``seq_lens``)."""
     vocab = held(key).spec.arch.vocab_size
 
     def head(logits, mb):
-        labels = mb["tokens"][:, 1:]
-        lp = token_logprobs(logits[:, :-1], labels, vocab).float()
         if not entropy:
-            return lp
-        return {"logprobs": lp, "entropy": token_entropy(logits[:, :-1], vocab).float()}
+            return _label_stats(logits, mb, vocab).float()
+        lp, ent = _label_stats(logits, mb, vocab, entropy=True)
+        return {"logprobs": lp.float(), "entropy": ent.float()}
 
-    return _forward(key, batch, micro_batch_size, head)
+    return _forward(key, batch, micro_batch_size, head, max_tokens_per_microbatch, pack_sequences)
 
 
-def values(key: str, batch: dict[str, Any], micro_batch_size: int):
+def values(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens_per_microbatch: int | None = None,
+           pack_sequences: bool = False):
     """Critic values of the state before each label position [B, L-1]."""
-    return _forward(key, batch, micro_batch_size, lambda v, mb: v[:, :-1, 0].float())
+    return _forward(key, batch, micro_batch_size, lambda v, mb: _per_label(v[:, :-1, 0], mb).float(),
+                    max_tokens_per_microbatch, pack_sequences)
 
 
-def scores(key: str, batch: dict[str, Any], micro_batch_size: int):
+def scores(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens_per_microbatch: int | None = None,
+           pack_sequences: bool = False):
     """Reward-model score of each sequence [B]: the value head at its last token."""
     def head(v, mb):
-        last = mb["seq_lens"] - 1
-        return v[torch.arange(v.shape[0]), last, 0].float()
+        return v[mb["seq_row"], mb["seq_start"] + mb["seq_lens"] - 1, 0].float()
 
-    return _forward(key, batch, micro_batch_size, head)
+    return _forward(key, batch, micro_batch_size, head, max_tokens_per_microbatch, pack_sequences)
 
 
 # --- updates ------------------------------------------------------------------------------
 
 
 def ensure_optimizer(model: HeldModel, optim: dict) -> None:
-    from megarl.models.train import OptimConfig, build_optimizer, wrap_ddp
+    from megarl.models.train import build_optimizer, wrap_ddp
 
     if model.optimizer is None:
         model.chunks = wrap_ddp(model.chunks, optim["use_distributed_optimizer"])
-        model.optimizer = build_optimizer(model.chunks, OptimConfig(
-            lr=optim["lr"], weight_decay=optim["weight_decay"], adam_beta1=optim["adam_beta1"],
-            adam_beta2=optim["adam_beta2"], adam_eps=optim["adam_eps"], clip_grad=optim["clip_grad"],
-            use_distributed_optimizer=optim["use_distributed_optimizer"]))
+        model.optimizer = build_optimizer(model.chunks, optim)
         model.extra["optimizer_steps"] = 0
 
 
@@ -141,10 +225,9 @@ def _set_lr(model: HeldModel, optim: dict) -> float:
 
 
 def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int, minibatches: int, epochs: int,
-            loss_fn, forward) -> list[dict[str, float]] | None:
+            loss_fn, max_tokens: int | None, pack: bool) -> list[dict[str, float]] | None:
     """``epochs`` passes over ``minibatches`` optimizer steps on this rank's shard."""
-    from megatron.core import parallel_state as ps
-
+    from megarl.models.forward import rows_forward
     from megarl.models.train import train_step
 
     model = held(key)
@@ -160,13 +243,15 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
             part = {k: (v[m * size:(m + 1) * size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                     for k, v in shard.items()}
             part["denom"] = shard["denoms"][m]
-            mbs = _microbatches(part, micro_batch_size)
+            mbs = _microbatches(model, part, micro_batch_size, max_tokens, pack)
             for mb in mbs:
-                # megatron divides by the number of micro-batches and DDP averages over
+                # megatron divides each micro-batch's loss by this rank's number of micro-batches
+                # (which may differ between ranks under a token budget) and DDP averages over
                 # data-parallel ranks; the losses use a global denominator, so undo both.
                 mb["scale"] = len(mbs) * model.info.dp
             lr = _set_lr(model, optim)
-            result = train_step(model.chunks, model.optimizer, mbs, loss_fn, forward)
+            result = train_step(model.chunks, model.optimizer, mbs, loss_fn,
+                                lambda chunk, mb: rows_forward(chunk, mb["inputs"]))
             model.extra["optimizer_steps"] += 1
             metrics = {"grad_norm": float(result["grad_norm"] or 0.0), "lr": lr,
                        "skipped": float(not result["updated"])}
@@ -174,20 +259,27 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
                 for name in result["metrics"][0]:
                     metrics[name] = sum(float(r[name]) for r in result["metrics"])
             per_step.append(metrics)
-    if not (ps.is_pipeline_last_stage(ignore_virtual=True) and model.info.tp_rank == 0):
+    if not _reporting(model):
         return None
     return per_step
 
 
-def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int):
+def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int,
+                 max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
     """Clipped policy-gradient updates (+ KL and entropy terms) on ``batch``; per-step metrics."""
     from megarl.algorithms import aggregate, kl_loss, policy_loss
+    from megarl.models.forward import rows_output
 
     vocab = held(key).spec.arch.vocab_size
 
-    def loss_fn(logits, mb):
+    def loss_fn(output, mb):
+        logits = rows_output(output, mb["inputs"])
         mask = mb["mask"]
-        lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:], vocab)
+        with_entropy = algo["entropy_coef"] > 0
+        if with_entropy:
+            lp, ent = _label_stats(logits, mb, vocab, entropy=True)
+        else:
+            lp = _label_stats(logits, mb, vocab)
         common = {"aggregation": algo["aggregation"], "denom": mb["denom"]}
         loss, metrics = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask, clip_low=algo["clip_low"],
                                     clip_high=algo["clip_high"], dual_clip=algo["dual_clip"], **common)
@@ -196,8 +288,8 @@ def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro
             kl = kl_loss(lp, mb["ref_logprobs"], mask, estimator=algo["kl_estimator"], **common)
             loss = loss + algo["kl_coef"] * kl
             out["kl_loss"] = kl.detach()
-        if algo["entropy_coef"] > 0:
-            ent = aggregate(token_entropy(logits[:, :-1], vocab), mask, **common)
+        if with_entropy:
+            ent = aggregate(ent, mask, mode=algo["aggregation"], denom=mb["denom"])
             loss = loss - algo["entropy_coef"] * ent
             out["entropy"] = ent.detach()
         weight = _share(mb, algo["aggregation"])
@@ -206,22 +298,25 @@ def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro
         return loss * mb["scale"], out
 
     return _update(key, batch, optim, micro_batch_size, algo["minibatches"], algo["ppo_epochs"], loss_fn,
-                   _logits_forward)
+                   max_tokens_per_microbatch, pack_sequences)
 
 
-def train_value(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int):
+def train_value(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int,
+                max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
     """Clipped value-loss updates of the critic towards ``batch["returns"]``."""
     from megarl.algorithms import value_loss
+    from megarl.models.forward import rows_output
 
-    def loss_fn(out, mb):
-        loss, metrics = value_loss(out[:, :-1, 0].float(), mb["old_values"], mb["returns"], mb["mask"],
+    def loss_fn(output, mb):
+        values = _per_label(rows_output(output, mb["inputs"])[:, :-1, 0], mb).float()
+        loss, metrics = value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
                                    clip=algo["value_clip"], aggregation=algo["aggregation"], denom=mb["denom"])
         weight = _share(mb, algo["aggregation"])
         return loss * mb["scale"], {"value_loss": loss.detach(),
                                     "value_clip_fraction": metrics["clip_fraction"] * weight}
 
     return _update(key, batch, optim, micro_batch_size, algo["minibatches"], algo["ppo_epochs"], loss_fn,
-                   _logits_forward)
+                   max_tokens_per_microbatch, pack_sequences)
 
 
 def _share(mb: dict[str, Any], aggregation: str) -> torch.Tensor | float:
@@ -229,8 +324,5 @@ def _share(mb: dict[str, Any], aggregation: str) -> torch.Tensor | float:
     share, summed over micro-batches and data-parallel ranks, give the global mean."""
     if aggregation == "token-mean":
         return mb["mask"].float().sum() / mb["denom"]
-    return mb["tokens"].shape[0] / mb["denom"]
-
-
-def _logits_forward(chunk, mb):
-    return chunk(mb["tokens"], _positions(mb["tokens"]), None)
+    # the seq modes' denominator counts the sequences with response tokens (see denominators())
+    return (mb["mask"].sum(dim=1) > 0).float().sum() / mb["denom"]

@@ -1,0 +1,108 @@
+"""``megarl plan``: layouts and placement for an RL run that fit the GPUs, before any queue wait."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megarl.plan.hardware import GPUS
+
+DESCRIPTION = """\
+Proposes per-role tensor/pipeline/data (and expert) parallel layouts and a placement
+(colocated: every role on every GPU, time-shared; disaggregated: each role on GPUs of
+its own) that fit GPU memory, shows per-GPU memory by component (weights, gradients,
+optimizer with the distributed optimizer, activations with the chosen recompute,
+vLLM weights and KV cache) and an estimated step-time breakdown (generation,
+inference, training, weight sync) from FLOPs, HBM and link bandwidths. The figures
+used are printed and can be overridden. With a recipe YAML and no --gpus it checks the
+recipe's own layouts. Exit code 2 when nothing fits, with how much memory is missing."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="propose layouts and a placement that fit the GPUs",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="an HF config.json or model folder, a megarl checkpoint, a recipe YAML, or a name from "
+                        "model_configs/archs (e.g. llama3.1-70b)")
+    p.add_argument("--gpus", type=int, help="GPUs to plan for (a recipe without it: check its own layouts)")
+    p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS), help="GPU type (default h100-80gb)")
+    p.add_argument("--algo", choices=["grpo", "ppo"], help="grpo: actor+reference; ppo: +critic+reward model "
+                   "(default grpo, or the recipe's)")
+    p.add_argument("--placement", default="any", choices=["any", "colocated", "disaggregated"])
+    w = p.add_argument_group("workload (defaults: a long-reasoning GRPO step)")
+    w.add_argument("--prompts", type=int, default=256, help="prompts per step (default 256)")
+    w.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
+    w.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
+    w.add_argument("--response-len", type=int, default=2048, help="response tokens (default 2048)")
+    w.add_argument("--micro-batch", type=int, default=1, help="training micro-batch, sequences (default 1)")
+    w.add_argument("--max-num-seqs", type=int, default=256, help="vLLM concurrent sequences per engine (256)")
+    h = p.add_argument_group("hardware and efficiency overrides (defaults: the --gpu datasheet)")
+    for flag, dest in (("--gpu-memory-gib", "memory_gib"), ("--gpu-tflops", "bf16_tflops"),
+                       ("--hbm-gbps", "hbm_gbps"), ("--nvlink-gbps", "nvlink_gbps"),
+                       ("--interconnect-gbps", "interconnect_gbps"), ("--pcie-gbps", "pcie_gbps")):
+        h.add_argument(flag, dest=dest, type=float)
+    h.add_argument("--gpus-per-node", dest="gpus_per_node", type=int)
+    for flag in ("--train-mfu", "--prefill-mfu", "--hbm-efficiency", "--link-efficiency", "--overhead-gib"):
+        h.add_argument(flag, type=float)
+    p.set_defaults(handler=main)
+
+
+def _model(spec: str):
+    """(architecture, recipe or None) for --model."""
+    from megarl.config.loader import load_config
+    from megarl.config.schema import RunConfig
+    from megarl.convert.checkpoint import read_model_arch
+    from megarl.plan.archs import ARCHS_DIR, load_arch
+
+    if spec.endswith((".yaml", ".yml")):
+        cfg = load_config(RunConfig, spec)
+        return None, cfg
+    if (ARCHS_DIR / spec).is_dir() or Path(spec).is_file():
+        return load_arch(spec), None
+    return read_model_arch(spec), None
+
+
+def main(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from megarl.config.loader import ConfigError
+    from megarl.models.hf_arch import ArchError
+    from megarl.plan.hardware import Efficiency, gpu_spec
+    from megarl.plan.recipe import evaluate_recipe, rl_shape
+    from megarl.plan.report import format_plan
+    from megarl.plan.search import NoFit, PlanInputs, plan
+    from megarl.plan.steptime import RLShape
+
+    gpu = gpu_spec(args.gpu, **{k: getattr(args, k) for k in ("memory_gib", "bf16_tflops", "hbm_gbps",
+                                                              "nvlink_gbps", "interconnect_gbps", "pcie_gbps",
+                                                              "gpus_per_node")})
+    eff = replace(Efficiency(), **{k: v for k in ("train_mfu", "prefill_mfu", "hbm_efficiency", "link_efficiency",
+                                                  "overhead_gib") if (v := getattr(args, k)) is not None})
+    try:
+        arch, recipe = _model(args.model)
+        if recipe is not None and args.gpus is None:
+            result = evaluate_recipe(recipe, gpu, eff)
+            rl = rl_shape(recipe)
+            print(format_plan(result, gpu, eff, rl, f"recipe {args.model}"))
+            return 0 if result.fits else 2
+        if recipe is not None:
+            from megarl.config.validate import validate_run
+
+            arch = validate_run(recipe)["actor"]
+            rl = replace(rl_shape(recipe), algo=args.algo or rl_shape(recipe).algo)
+        else:
+            rl = RLShape(algo=args.algo or "grpo", prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
+                         response_len=args.response_len)
+        if not args.gpus or args.gpus < 1:
+            raise ConfigError("--gpus N (>= 1) is needed to plan a model")
+        inputs = PlanInputs(gpu, rl, eff, micro_batch=args.micro_batch, max_num_seqs=args.max_num_seqs)
+        result = plan(arch, args.gpus, inputs, args.placement)
+    except NoFit as e:
+        print(f"megarl plan: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, ArchError, ValueError, OSError) as e:
+        print(f"megarl plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(result, gpu, eff, rl, f"plan for {args.model} ({arch.num_parameters() / 1e9:.1f}B)"))
+    return 0

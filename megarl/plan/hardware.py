@@ -1,0 +1,58 @@
+"""GPU figures the planner uses: memory, dense BF16 FLOPs, HBM and link bandwidths.
+
+Published datasheet numbers (SXM parts); every one can be overridden on the command
+line, and the plan prints the figures it used. Memory is what the device reports
+(e.g. an "80 GB" H100 reports 81559 MiB), not the marketing figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_gib: float  # device memory as reported by the driver
+    bf16_tflops: float  # dense BF16 tensor-core peak
+    hbm_gbps: float  # HBM bandwidth, GB/s
+    nvlink_gbps: float  # per-GPU intra-node bandwidth, one direction, GB/s
+    interconnect_gbps: float  # per-GPU inter-node bandwidth (InfiniBand / RoCE), GB/s
+    pcie_gbps: float = 25.0  # host <-> GPU for offloading, one direction, sustained (pinned memory)
+    gpus_per_node: int = 8
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+
+GPUS: dict[str, GpuSpec] = {
+    # H100 SXM5: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, NVLink4 450 GB/s per direction,
+    # one 400 Gb/s NIC per GPU.
+    "h100-80gb": GpuSpec("h100-80gb", 79.6, 989.0, 3350.0, 450.0, 50.0),
+    # H200 SXM: the H100's compute with 141 GB HBM3e at 4.8 TB/s.
+    "h200-141gb": GpuSpec("h200-141gb", 140.4, 989.0, 4800.0, 450.0, 50.0),
+    # A100 SXM4 80GB: 312 TFLOPS dense BF16, 2.04 TB/s HBM2e, NVLink3 300 GB/s per direction,
+    # one 200 Gb/s NIC per GPU.
+    "a100-80gb": GpuSpec("a100-80gb", 80.0, 312.0, 2039.0, 300.0, 25.0),
+}
+
+
+def gpu_spec(name: str, **overrides: float | None) -> GpuSpec:
+    """The named GPU with the given fields replaced (None values are ignored)."""
+    if name not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    return replace(GPUS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak that real kernels reach; conservative defaults, printed and overridable."""
+
+    train_mfu: float = 0.35  # Megatron BF16 training at these scales reaches 35-50% MFU
+    prefill_mfu: float = 0.5  # vLLM prefill and Megatron forward-only passes
+    hbm_efficiency: float = 0.7  # vLLM decode reaches ~70% of HBM bandwidth
+    link_efficiency: float = 0.7  # NCCL bus bandwidth vs link peak
+    overhead_gib: float = 4.0  # per GPU: CUDA context, NCCL buffers, allocator fragmentation

@@ -1,0 +1,345 @@
+"""Bytes per GPU of one role, by component, from the architecture and the layout.
+
+The model counts what megarl's megatron-core setup allocates (``megarl.models.gpt``,
+``megarl.models.train``):
+
+- weights: every parameter tensor of the rank's pipeline stage, split by tensor (and
+  expert) parallelism exactly as megatron-core splits it; norms and the MoE router are
+  replicated; the embedding sits on the first stage, the output layer (or the value
+  head) on the last; a tied output layer is a second copy on the last stage when pp > 1.
+- gradients: DDP's contiguous ``main_grad`` buffer in fp32 (megarl sets
+  ``grad_reduce_in_fp32``), with the distributed optimizer's padding (each parameter
+  starts at a multiple of 64 elements, each bucket ends at a multiple of lcm(dp, 128)).
+- optimizer: Adam's two fp32 moments, plus fp32 main parameters when the model is
+  bf16/fp16; the distributed optimizer shards all of it over the data-parallel ranks
+  (expert parameters over the expert-data-parallel ranks).
+- activations: tensors saved for backward in one micro-batch, per layer, for the
+  attention implementation in use (``flash``: Transformer Engine on GPU;
+  ``unfused``: megatron-core's local spec, which keeps the s x s softmax), times the
+  micro-batches a 1F1B pipeline keeps in flight on its first stage.
+
+``megarl bench memory`` measures the same quantities on real megatron-core models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megarl.models.hf_arch import ModelArch
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("flash", "unfused")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One role's parallel layout; ``gpus`` = tp * pp * cp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard (expert tensor parallelism = tp, megatron-core's default)."""
+        return max(1, self.cp * self.dp // self.ep)
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        if self.vpp:
+            parts.append(f"vpp={self.vpp}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rank of a Megatron role processes: micro-batch, sequence, precision, recompute."""
+
+    dtype: str = "bfloat16"
+    micro_batch: int = 1
+    seq_len: int = 4096
+    recompute: str = "none"  # none | selective (attention core) | full (each layer's input only)
+    attention: str = "flash"  # flash (TE, GPU) | unfused (local spec: CPU)
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPE_BYTES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention {self.attention!r} must be one of {', '.join(ATTENTION)}")
+
+    @property
+    def elem(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class Memory:
+    """Bytes on one GPU by component; ``total`` is their sum."""
+
+    components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+    def add(self, other: Memory, prefix: str = "") -> Memory:
+        merged = dict(self.components)
+        for key, value in other.components.items():
+            merged[prefix + key] = merged.get(prefix + key, 0.0) + value
+        return Memory(merged)
+
+
+def padded_vocab(arch: ModelArch, tp: int, pad_multiple: int = 128) -> int:
+    multiple = math.lcm(pad_multiple, tp)
+    return -(-arch.vocab_size // multiple) * multiple
+
+
+def stage_layer_counts(num_layers: int, layout: Layout) -> list[int]:
+    """Transformer layers on each pipeline stage (megatron-core's even or first/last split)."""
+    pp, first, last = layout.pp, layout.first_stage_layers, layout.last_stage_layers
+    if pp == 1:
+        return [num_layers]
+    counts: list[int | None] = [None] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    rest = num_layers - sum(c for c in counts if c is not None)
+    middle = sum(c is None for c in counts)
+    return [c if c is not None else rest // middle for c in counts]
+
+
+def layer_tensors(arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
+    """Element counts of one transformer layer's parameters on one rank: (dense, expert)."""
+    h, d = arch.hidden_size, arch.head_dim
+    qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d // tp
+    dense = [h, qkv_out * h, arch.num_heads * d // tp * h, h]  # norm, qkv, proj, pre-MLP norm
+    if arch.qkv_bias:
+        dense.append(qkv_out)
+    expert: list[int] = []
+    ffn = arch.ffn_hidden_size // tp
+    if arch.is_moe:
+        dense.append(arch.num_experts * h)  # router, replicated
+        for _ in range(arch.num_experts // ep):
+            expert += [2 * ffn * h, ffn * h]
+    else:
+        dense += [2 * ffn * h, ffn * h]  # fc1 (gate and up fused), fc2
+    return dense, expert
+
+
+def stage_tensors(arch: ModelArch, layout: Layout, stage: int, value_head: bool = False,
+                  pad_multiple: int = 128) -> tuple[list[int], list[int]]:
+    """Parameter element counts of one rank of ``stage``: (dense, expert)."""
+    layers = stage_layer_counts(arch.num_layers, layout)[stage]
+    one_dense, one_expert = layer_tensors(arch, layout.tp, layout.ep)
+    dense, expert = one_dense * layers, one_expert * layers
+    vocab_shard = padded_vocab(arch, layout.tp, pad_multiple) // layout.tp * arch.hidden_size
+    if stage == 0:
+        dense.append(vocab_shard)
+    if stage == layout.pp - 1:
+        dense.append(arch.hidden_size)  # final norm
+        if value_head:
+            dense.append(arch.hidden_size)
+        elif not arch.tie_embeddings or layout.pp > 1:
+            dense.append(vocab_shard)
+    return dense, expert
+
+
+def grad_buffer_numel(tensors: list[int], dp: int, distributed_optimizer: bool) -> int:
+    """Elements of DDP's grad buffer: parameter starts at multiples of 64 and the bucket end at
+    a multiple of lcm(dp, 128) under the distributed optimizer (one bucket: no overlap)."""
+    if not tensors:
+        return 0
+    if not distributed_optimizer:
+        return sum(tensors)
+    end = 0
+    for n in tensors:
+        end = -(-end // 64) * 64 + n
+    divisor = math.lcm(dp, 128)
+    return -(-end // divisor) * divisor
+
+
+def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload) -> float:
+    """Bytes one transformer layer saves for backward in one micro-batch."""
+    e, b, s = work.elem, work.micro_batch, work.seq_len // layout.cp
+    tp, h, d = layout.tp, arch.hidden_size, arch.head_dim
+    t = b * s  # tokens of this rank
+    sp = tp if layout.sequence_parallel else 1
+    heads = arch.num_heads // tp
+    if work.recompute == "full":
+        return t * h / sp * e  # only the layer's input; the rest is recomputed in backward
+    if arch.is_moe:
+        # router logits (fp32) and, per routed copy of a token, fc1 input/outputs and fc2 input
+        topk = arch.moe_topk or 1
+        mlp = t * arch.num_experts * 4 + t * topk * (h + 5 * arch.ffn_hidden_size // tp) * e
+    else:
+        mlp = t * 5 * arch.ffn_hidden_size // tp * e  # fc1 out (2 ffn), silu out, up half, fc2 in
+    if work.attention == "unfused":
+        # megatron-core's local spec (CPU): torch RMSNorm keeps its fp32 input, normalised
+        # value and 1/rms; the linear keeps its input; k and v are expanded to every head;
+        # the softmax keeps its fp32 output (and a copy in the model dtype for the bmm).
+        norm = t * (8 * h + 4) + t * h * e
+        attn = 4 * t * heads * d * e + s * s + 4 * s * d * e
+        if work.recompute != "selective":
+            attn += b * heads * s * s * (4 + (e if e != 4 else 0))
+        return 2 * norm + attn + mlp
+    # Transformer Engine: fused RMSNorm+linear keeps the norm input, 1/rms and its output;
+    # flash attention keeps q, k, v (k, v not expanded), the output and the softmax stats.
+    norm = t * h / sp * e * 2 + t * 4 / sp
+    attn = t * (arch.num_heads + 2 * arch.num_kv_heads) * d // tp * e + t * heads * d * e + b * heads * s * 4
+    return 2 * norm + attn + mlp
+
+
+def head_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, pad_multiple: int = 128,
+                          value_head: bool = False) -> float:
+    """Bytes the last stage saves after the layers: final norm, output input, the loss's softmax."""
+    t = work.micro_batch * work.seq_len // layout.cp
+    h, e = arch.hidden_size, work.elem
+    norm = t * (8 * h + 4) + t * h * e if work.attention == "unfused" else t * h * e * 2 + t * 4
+    if value_head:
+        return norm
+    return norm + t * padded_vocab(arch, layout.tp, pad_multiple) // layout.tp * e
+
+
+def logits_transient_bytes(arch: ModelArch, layout: Layout, work: Workload, pad_multiple: int = 128) -> float:
+    """Live but not saved on the last stage while the loss runs: the logits and their fp32 copy."""
+    t = work.micro_batch * work.seq_len // layout.cp
+    return t * padded_vocab(arch, layout.tp, pad_multiple) // layout.tp * (work.elem + 4)
+
+
+def in_flight_microbatches(layout: Layout, stage: int, microbatches: int) -> float:
+    """Micro-batches whose activations a 1F1B pipeline stage holds at its peak."""
+    if layout.pp == 1:
+        return 1.0
+    held = min(layout.pp - stage, microbatches)
+    if layout.vpp:  # interleaved schedule: the first stage warms up a little more
+        held *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
+    return held
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's estimate by stage, for comparison with measurements and for the plan."""
+
+    params: int  # elements
+    weights: float
+    gradients: float
+    optimizer: float
+    activations_per_microbatch: float
+    activations: float
+    logits: float
+
+    def memory(self) -> Memory:
+        return Memory({"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
+                       "activations": self.activations, "logits": self.logits})
+
+
+def trained_rank(arch: ModelArch, layout: Layout, work: Workload, stage: int, microbatches: int = 1,
+                 value_head: bool = False, pad_multiple: int = 128) -> RankMemory:
+    """A trained role's memory on one rank of pipeline ``stage`` (any tp/dp rank: they match)."""
+    dense, expert = stage_tensors(arch, layout, stage, value_head, pad_multiple)
+    dist = work.distributed_optimizer
+    dense_buf = grad_buffer_numel(dense, layout.dp * layout.cp, dist)
+    expert_buf = grad_buffer_numel(expert, layout.expert_dp, dist)
+    e = work.elem
+    # The distributed optimizer keeps the bf16 weights inside DDP's (padded) param buffer.
+    weights = (dense_buf + expert_buf) * e if dist and e != 4 else (sum(dense) + sum(expert)) * e
+    per_param = 8 + (4 if e != 4 else 0)  # Adam moments + fp32 main params for half precision
+    if dist:
+        optimizer = per_param * (dense_buf / (layout.dp * layout.cp) + expert_buf / layout.expert_dp)
+    else:
+        optimizer = per_param * (sum(dense) + sum(expert))
+    layers = stage_layer_counts(arch.num_layers, layout)[stage]
+    act = layers * layer_activation_bytes(arch, layout, work)
+    if stage == 0:
+        act += work.micro_batch * work.seq_len // layout.cp * 8  # token ids kept by the embedding
+    last = stage == layout.pp - 1
+    if last:
+        act += head_activation_bytes(arch, layout, work, pad_multiple, value_head)
+    if work.recompute == "full" and layers:
+        # backward recomputes one layer at a time: its full activations are live once
+        act += layer_activation_bytes(arch, layout, Workload(**{**work.__dict__, "recompute": "none"}))
+    held = in_flight_microbatches(layout, stage, microbatches)
+    logits = logits_transient_bytes(arch, layout, work, pad_multiple) if last and not value_head else 0.0
+    return RankMemory(params=sum(dense) + sum(expert), weights=weights, gradients=(dense_buf + expert_buf) * 4,
+                      optimizer=optimizer, activations_per_microbatch=act, activations=act * held, logits=logits)
+
+
+def trained_memory(arch: ModelArch, layout: Layout, work: Workload, microbatches: int = 1,
+                   value_head: bool = False) -> Memory:
+    """The busiest pipeline stage's memory (the one that decides whether the layout fits)."""
+    ranks = [trained_rank(arch, layout, work, s, microbatches, value_head) for s in range(layout.pp)]
+    return max((r.memory() for r in ranks), key=lambda m: m.total)
+
+
+def inference_memory(arch: ModelArch, layout: Layout, work: Workload, value_head: bool = False) -> Memory:
+    """A forward-only role (reference, reward model): weights plus the live tensors of one pass."""
+    peak = Memory()
+    for stage in range(layout.pp):
+        dense, expert = stage_tensors(arch, layout, stage, value_head)
+        weights = (sum(dense) + sum(expert)) * work.elem
+        # no graph is kept: about two layers' activations are live at a time
+        act = 2 * layer_activation_bytes(arch, layout, Workload(**{**work.__dict__, "recompute": "none"}))
+        last = stage == layout.pp - 1
+        logits = 2 * logits_transient_bytes(arch, layout, work) if last and not value_head else 0.0
+        mem = Memory({"weights": weights, "activations": act, "logits": logits})
+        if mem.total > peak.total:
+            peak = mem
+    return peak
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    tp: int = 1
+    engines: int = 1
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "bfloat16"
+    max_num_batched_tokens: int = 8192
+
+
+def vllm_kv_bytes_per_token(arch: ModelArch, tp: int, dtype: str) -> float:
+    """KV cache bytes per token on one GPU of a TP group (KV heads are replicated below tp)."""
+    kv_heads = max(arch.num_kv_heads // tp, 1)
+    return 2 * arch.num_layers * kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
+
+
+def vllm_memory(arch: ModelArch, roll: RolloutShape, capacity_bytes: float) -> tuple[Memory, float]:
+    """(vLLM's memory on one GPU, KV cache bytes it needs for max_num_seqs full sequences).
+
+    vLLM claims ``gpu_memory_utilization`` of the device and fills what its weights and
+    activation peak leave with KV cache; that claim is what sits next to other roles.
+    """
+    e = DTYPE_BYTES[roll.dtype]
+    weights = arch.num_parameters() * e / roll.tp
+    h, ffn = arch.hidden_size, arch.ffn_hidden_size * (arch.moe_topk or 1)
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    # the profiling pass: a full batch of tokens through one layer, logits of the sampled rows
+    act = roll.max_num_batched_tokens * (2 * h + (2 * ffn + qkv) / roll.tp) * e * 2 \
+        + roll.max_num_seqs * arch.vocab_size / roll.tp * 4
+    claimed = roll.gpu_memory_utilization * capacity_bytes
+    kv = max(claimed - weights - act, 0.0)
+    needed = roll.max_num_seqs * roll.max_model_len * vllm_kv_bytes_per_token(arch, roll.tp, roll.dtype)
+    return Memory({"vllm_weights": weights, "vllm_activations": act, "vllm_kv_cache": kv}), needed

@@ -1,0 +1,90 @@
+"""The layout planner: memory model against hand-computed values, refusals, and one measured case."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.plan.archs import load_arch
+from megarl.plan.hardware import GIB, gpu_spec
+from megarl.plan.memory import (
+    Layout,
+    Workload,
+    grad_buffer_numel,
+    stage_tensors,
+    trained_rank,
+    vllm_kv_bytes_per_token,
+)
+from megarl.plan.search import NoFit, PlanInputs, pipeline_split, plan
+
+
+def test_llama8b_weight_bytes_by_hand():
+    arch = load_arch("llama3.1-8b")
+    per_layer = 4096 * 128 * (32 * 2 + 8 * 2) + 3 * 4096 * 14336 + 2 * 4096
+    params = 32 * per_layer + 2 * 128256 * 4096 + 4096
+    assert params == 8_030_261_248 == arch.num_parameters()
+    rank = trained_rank(arch, Layout(), Workload(distributed_optimizer=False), stage=0)
+    assert rank.weights == 2 * params  # bf16
+    assert rank.gradients == 4 * params  # fp32 main_grad
+    assert rank.optimizer == 12 * params  # fp32 main params + two Adam moments, unsharded
+
+
+def test_distributed_optimizer_divides_by_dp_and_tp_splits_weights():
+    arch = load_arch("llama3.1-8b")
+    one = trained_rank(arch, Layout(dp=1), Workload(), stage=0)
+    eight = trained_rank(arch, Layout(dp=8), Workload(), stage=0)
+    assert eight.gradients == one.gradients  # gradients stay whole on every data-parallel rank
+    assert eight.optimizer == pytest.approx(one.optimizer / 8, rel=1e-6)
+    tp4 = trained_rank(arch, Layout(tp=4), Workload(), stage=0)
+    assert tp4.params == (arch.num_parameters() - 65 * 4096) // 4 + 65 * 4096  # norms stay whole
+
+
+def test_grad_buffer_padding():
+    # params start at multiples of 64, the bucket ends at a multiple of lcm(dp, 128)
+    assert grad_buffer_numel([10, 10], dp=1, distributed_optimizer=True) == 128
+    assert grad_buffer_numel([100, 100], dp=3, distributed_optimizer=True) == 384
+    assert grad_buffer_numel([10, 10], dp=1, distributed_optimizer=False) == 20
+
+
+def test_tied_embeddings_and_pipeline_stages():
+    arch = load_arch("llama3.1-8b")
+    first, _ = stage_tensors(arch, Layout(pp=2), stage=0)
+    last, _ = stage_tensors(arch, Layout(pp=2), stage=1)
+    assert sum(first) - sum(last) == -4096  # same layers and one vocab matrix each; the final norm is last
+    assert pipeline_split(126, 16) == (7, 7) and pipeline_split(32, 4) == (None, None)
+
+
+def test_kv_cache_bytes_per_token():
+    arch = load_arch("llama3.1-8b")
+    assert vllm_kv_bytes_per_token(arch, tp=2, dtype="bfloat16") == 2 * 32 * 4 * 128 * 2
+    assert vllm_kv_bytes_per_token(arch, tp=16, dtype="bfloat16") == 2 * 32 * 1 * 128 * 2  # replicated KV heads
+
+
+def test_refuses_with_the_shortfall():
+    arch = load_arch("llama3.1-70b")
+    with pytest.raises(NoFit) as e:
+        plan(arch, 4, PlanInputs(gpu_spec("h100-80gb")))
+    needed = e.value.needed / GIB
+    assert needed > 79.6
+    assert f"needs {needed:.1f} GiB per GPU, has 79.6 GiB (short by {needed - 79.6:.1f} GiB)" in str(e.value)
+
+
+def test_cli_exit_code_2_when_nothing_fits(capsys):
+    from megarl.cli.main import main
+
+    assert main(["plan", "--model", "llama3.1-70b", "--gpus", "4"]) == 2
+    assert "short by" in capsys.readouterr().err
+
+
+def test_8b_plan_fits_its_gpus():
+    p = plan(load_arch("llama3.1-8b"), 16, PlanInputs(gpu_spec("h100-80gb")))
+    assert p.fits and all(m.total <= 79.6 * GIB for m in p.per_gpu.values())
+    assert set(p.times) >= {"generation", "inference", "training", "weight sync"}
+
+
+def test_measured_memory_matches_model_on_two_ranks():
+    """One real megatron-core case (tiny model, tp=2, fp32): every component within 15%."""
+    from megarl.bench.memory import Case, run_memory_bench
+
+    rows = run_memory_bench([Case("tiny", tp=2, world=2)], tolerance=0.15, progress=lambda *a: None)
+    assert {r["component"] for r in rows} == {"weights", "gradients", "optimizer", "activations", "total"}
+    assert all(r["ok"] for r in rows), rows
