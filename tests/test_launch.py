@@ -144,10 +144,20 @@ def _wait_done(env: dict, job_id: int, timeout: float) -> dict[str, str]:
 
 
 def _job_processes(job_id: int) -> set[int]:
-    """Every process in the job's cgroup (proctrack/cgroup), steps included."""
+    """Every process of the job, steps included: those in its cgroup (proctrack/cgroup, where
+    cgroup v1's freezer exists), and any process whose environment carries its SLURM_JOB_ID
+    (every step and what it starts, Ray's daemons included, inherit it; this also covers
+    machines without the freezer, where the script falls back to proctrack/linuxproc)."""
     pids = set()
     for procs in Path("/sys/fs/cgroup/freezer").glob(f"slurm*/uid_*/job_{job_id}/**/cgroup.procs"):
         pids |= {int(p) for p in procs.read_text().split()}
+    marker = f"SLURM_JOB_ID={job_id}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes().split(b"\0"):
+                pids.add(int(environ.parent.name))
+        except OSError:  # gone, or not ours to read
+            continue
     return pids
 
 
