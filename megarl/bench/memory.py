@@ -94,17 +94,17 @@ def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_b
     """On every rank of an SpmdPool: build, step once, measure. Returns one rank per pipeline stage."""
     import torch
 
-    from megarl.config.schema import ParallelConfig, PrecisionConfig
+    from megarl.config.schema import OptimizerConfig, ParallelConfig, PrecisionConfig
     from megarl.distributed.parallel import megatron_parallel
     from megarl.models.gpt import ModelSpec, build_model_chunks
-    from megarl.models.train import OptimConfig, build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
+    from megarl.models.train import build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
 
     world = torch.distributed.get_world_size()
     par = ParallelConfig(tp=tp, pp=pp, ep=ep, world_size=world)
     with megatron_parallel(par) as info:
         spec = ModelSpec(arch, par, PrecisionConfig(dtype))
         chunks = wrap_ddp(build_model_chunks(spec), use_distributed_optimizer=True)
-        optimizer = build_optimizer(chunks, OptimConfig(lr=1e-4, use_distributed_optimizer=True))
+        optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-4, use_distributed_optimizer=True))
         params = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
         buffers = [buf for chunk in chunks for buf in list(chunk.buffers) + list(chunk.expert_parallel_buffers)]
         model_storage = {_storage_ptr(p) for p in params}

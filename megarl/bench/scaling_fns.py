@@ -35,14 +35,15 @@ def time_train_steps(arch: dict[str, Any], parallel: ParallelConfig, dtype: str,
     see the same data. A barrier before and after each step makes rank 0's clock the
     slowest rank's: a step is done when every rank is done.
     """
-    from megarl.models.train import OptimConfig, build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
+    from megarl.config.schema import OptimizerConfig
+    from megarl.models.train import build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
 
     model_arch = ModelArch.from_dict(arch)
     spec = ModelSpec(model_arch, parallel, PrecisionConfig(dtype=dtype))
     device = current_platform().device(torch.cuda.current_device() if current_platform().is_gpu else 0)
     with megatron_parallel(parallel, seed=seed) as info:
         chunks = wrap_ddp(build_model_chunks(spec))
-        optimizer = build_optimizer(chunks, OptimConfig(lr=1e-4))
+        optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-4))
         generator = torch.Generator().manual_seed(seed * 1000 + info.dp_rank)
         batches = []
         for _ in range(micro_batches):

@@ -28,6 +28,13 @@ class Slot:
     gpus_per_rank: float
 
 
+def role_hosts(cfg: RunConfig) -> dict[str, str]:
+    """Whose bundles each role (and the rollout) runs on: its own, or those of its ``colocate_with``."""
+    hosts = {name: role.colocate_with or name for name, role in cfg.roles().items()}
+    hosts["rollout"] = cfg.rollout.colocate_with or "rollout"
+    return hosts
+
+
 def role_ranks(cfg: RunConfig) -> dict[str, int]:
     ranks = {name: role.parallel.ranks for name, role in cfg.roles().items()}
     ranks["rollout"] = cfg.rollout.engines
@@ -70,8 +77,7 @@ def bundle_plan(cfg: RunConfig, gpu: bool) -> tuple[dict[str, list[dict[str, flo
     """
     demand = {name: (role.cpus_per_rank, role.gpus_per_rank if gpu else 0.0) for name, role in cfg.roles().items()}
     demand["rollout"] = (1.0, float(cfg.rollout.tp) if gpu else 0.0)
-    host_of = {name: role.colocate_with or name for name, role in cfg.roles().items()}
-    host_of["rollout"] = cfg.rollout.colocate_with or "rollout"
+    host_of = role_hosts(cfg)
     ranks = role_ranks(cfg)
     bundles: dict[str, list[dict[str, float]]] = {}
     asks: dict[str, tuple[float, float]] = {}
@@ -93,8 +99,7 @@ def place(cfg: RunConfig) -> dict[str, Slot]:
     from ray.util.placement_group import placement_group
 
     bundles, asks = bundle_plan(cfg, current_platform().is_gpu)
-    host_of = {name: role.colocate_with or name for name, role in cfg.roles().items()}
-    host_of["rollout"] = cfg.rollout.colocate_with or "rollout"
+    host_of = role_hosts(cfg)
     groups = {host: placement_group(b, strategy="PACK", name=f"megarl-{cfg.name}-{host}")
               for host, b in bundles.items()}
     ray.get([pg.ready() for pg in groups.values()], timeout=600)

@@ -20,11 +20,6 @@ from megarl.models.logprobs import token_logprobs
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-# The optimizer settings are the run config's (``optim`` of a role). The old name stays for
-# callers that build one by hand (benchmarks, ``megatron_model.lm_train_step``).
-OptimConfig = OptimizerConfig
-
-
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool = True) -> list:
     from megatron.core.distributed import (
         DistributedDataParallel,

@@ -208,10 +208,12 @@ class Run:
 
     def colocated_roles(self) -> dict[str, MegatronRole]:
         """The Megatron roles that share the rollout's bundles (none when the rollout has its own)."""
-        host = self.cfg.rollout.colocate_with
-        if host is None:
+        from megarl.cluster.placement import role_hosts
+
+        if self.cfg.rollout.colocate_with is None:
             return {}
-        return {name: role for name, role in self.roles.items() if (role.cfg.colocate_with or name) == host}
+        hosts = role_hosts(self.cfg)
+        return {name: role for name, role in self.roles.items() if hosts[name] == hosts["rollout"]}
 
     def _swap_out_of_rollout(self) -> None:
         """Colocated: vLLM sleeps (weights and KV cache freed on GPU) and the Megatron roles come back."""

@@ -97,12 +97,13 @@ def token_logprobs(key: str, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def lm_train_step(key: str, tokens: torch.Tensor, lr: float = 1e-3) -> float | None:
     """One optimizer step of next-token loss on ``tokens`` (the global batch, split over dp)."""
-    from megarl.models.train import OptimConfig, build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
+    from megarl.config.schema import OptimizerConfig
+    from megarl.models.train import build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
 
     model = held(key)
     if model.optimizer is None:
         model.chunks = wrap_ddp(model.chunks)
-        model.optimizer = build_optimizer(model.chunks, OptimConfig(lr=lr))
+        model.optimizer = build_optimizer(model.chunks, OptimizerConfig(lr=lr))
     local = tokens.chunk(model.info.dp)[model.info.dp_rank]
     batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
              "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
