@@ -279,7 +279,9 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
 
     variants = {"budget": {"max_tokens_per_microbatch": budget},
                 "packed": {"pack_sequences": True},
-                "packed_budget": {"pack_sequences": True, "max_tokens_per_microbatch": budget}}
+                "packed_budget": {"pack_sequences": True, "max_tokens_per_microbatch": budget},
+                "shared": {"share_prompt": True},
+                "shared_budget": {"share_prompt": True, "max_tokens_per_microbatch": budget}}
     width = batch["tokens"].shape[1]
     valid = torch.arange(width - 1).unsqueeze(0) < (batch["seq_lens"] - 1).unsqueeze(1)
     out: dict[str, float] = {}
@@ -290,6 +292,10 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
     megatron_model.load("pk", hf_dir, parallel)
     info = megatron_model.held("pk").info
     padded = rl_fns.logprobs("pk", batch, micro_batch_size=2, entropy=True)
+    # the shared variants do share: every micro-batch holds a prompt once for several responses
+    mbs = rl_fns._microbatches(megatron_model.held("pk"), rl_fns._shard(megatron_model.held("pk"), batch), 2,
+                               select=True, share=True)
+    out["shared/rows_without_sharing"] = sum(len(set(mb["plan"].row)) == len(mb["plan"].row) for mb in mbs)
     for name, kwargs in variants.items():
         got = rl_fns.logprobs("pk", batch, micro_batch_size=2, entropy=True, **kwargs)
         if got is not None:
@@ -299,16 +305,19 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
             out[f"{name}/zero_outside"] = got[1]["logprobs"].masked_fill(v, 0).abs().max().item()
     # one policy step on each path, from the same weights
     steps, params = {}, {}
-    for name, kwargs in {"padded": {}, "packed_budget": variants["packed_budget"]}.items():
+    for name in ("padded", "packed_budget", "shared_budget"):
+        kwargs = variants.get(name, {})
         megatron_model.load("pk", hf_dir, parallel)
         before = _held_params("pk")
         steps[name] = rl_fns.train_policy("pk", batch, algo, optim, micro_batch_size=2, **kwargs)
         params[name] = _held_params("pk")
-    out["train/params"] = (params["padded"] - params["packed_budget"]).abs().max().item()
     out["train/params_moved"] = (params["padded"] - before).abs().max().item()
-    if steps["padded"] is not None:
-        for metric in ("pg_loss", "grad_norm", "entropy"):
-            out[f"train/{metric}"] = abs(steps["padded"][0][metric] - steps["packed_budget"][0][metric])
+    for name in ("packed_budget", "shared_budget"):
+        out[f"train/{name}/params"] = (params["padded"] - params[name]).abs().max().item()
+        if steps["padded"] is not None:
+            for metric in ("pg_loss", "grad_norm", "entropy"):
+                out[f"train/{name}/{metric}"] = abs(steps["padded"]["steps"][0][metric]
+                                                    - steps[name]["steps"][0][metric])
     # the critic / reward model path: a value head
     megatron_model.load("pk", reward_dir, parallel, value_head=True)
     padded_values = rl_fns.values("pk", batch, micro_batch_size=2)

@@ -179,7 +179,7 @@ def test_unknown_override_key_names_the_dotted_key_and_suggests():
 def test_unknown_key_lists_known_keys_when_nothing_is_close():
     with pytest.raises(ConfigError, match=r"unknown key 'actor\.zzzz'; known keys here: "
                                           r"model, parallel, precision, optim, micro_batch_size, "
-                                          r"max_tokens_per_microbatch, pack_sequences, "
+                                          r"max_tokens_per_microbatch, pack_sequences, share_prompt, "
                                           r"colocate_with, cpus_per_rank, gpus_per_rank$"):
         load_config(RunConfig, None, ["actor.zzzz=1"])
 
@@ -589,3 +589,8 @@ def test_packing_refuses_context_parallel_and_local_sliding_windows(tmp_path):
     assert "actor.pack_sequences needs actor.parallel.cp=1" in message
     assert "actor.pack_sequences: mistral attends within a sliding window" in message
     assert "sliding window" not in invalid(cfg, GPU_TE)  # Transformer Engine's THD kernels apply both
+    cfg.actor.pack_sequences, cfg.actor.share_prompt = False, True
+    message = invalid(cfg)
+    assert "actor.share_prompt needs actor.parallel.cp=1" in message
+    assert "actor.share_prompt: mistral attends within a sliding window" in message
+    assert "actor.share_prompt needs the local attention's explicit mask" in invalid(cfg, GPU_TE)

@@ -23,7 +23,7 @@ from megarl.data import (
     token_budget_microbatches,
     tokenize_prompts,
 )
-from megarl.data.batching import plan_microbatches
+from megarl.data.batching import plan_microbatches, plan_shared_prompts
 from megarl.rewards import ReasoningGymReward, RewardInput
 
 # ---------------------------------------------------------------- loaders
@@ -319,3 +319,37 @@ def test_packed_plan_example():
     assert first.index == [3, 0, 2] and first.row == [0, 1, 1] and first.start == [0, 0, 5]
     assert first.packed and first.width == 7 and first.segments() == [[0, 7], [0, 5, 7]]
     assert second.index == [1] and not second.packed and second.width == 3
+
+
+def test_shared_prompt_plan_example():
+    # two groups: sequences 0-2 share a 3-token prompt, 3-4 a 2-token one; a budget of 9 tokens
+    # per row splits the first group (3 + 2 + 3 = 8 fits, + 4 does not) and gives its last response
+    # a row of its own with its own copy of the prompt; rows of 8, 7 and 5 tokens then take a
+    # micro-batch each (two rows padded to 8 would break the budget)
+    lengths, prompts = [5, 6, 7, 4, 3], [3, 3, 3, 2, 2]
+    same = [False, True, True, False, True]
+    plans = plan_shared_prompts(lengths, prompts, same, micro_batch_size=8, max_tokens=9)
+    rows = [(p.index, p.row, p.start, p.width) for p in plans]
+    assert rows == [([0, 1], [0, 0], [3, 5], 8), ([2], [0], [3], 7), ([3, 4], [0, 0], [2, 4], 5)], rows
+    # a budget of 16: both groups whole in one row each (12 and 5 tokens), one micro-batch each
+    assert [(p.index, p.rows) for p in plan_shared_prompts(lengths, prompts, same, 8, max_tokens=16)] == \
+        [([0, 1, 2], 1), ([3, 4], 1)]
+    assert [(p.index, p.rows) for p in plan_shared_prompts(lengths, prompts, same, 8, max_tokens=24)] == \
+        [([0, 1, 2, 3, 4], 2)]
+    first = plans[0]
+    assert first.width == 8 and first.shared == [3, 3] and first.packed
+    assert first.columns(1).tolist() == [0, 1, 2, 5, 6, 7]
+    positions, segment, prefix = first.layout()
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5]]  # each response continues from the prompt
+    # the second response may see the prompt and itself, not the first response
+    allowed = [segment[0, k] in (segment[0, 6], prefix[0, 6]) for k in range(7)]
+    assert allowed == [True, True, True, False, False, True, True]
+    index, valid = first.label_gather()  # label positions: each token's column but the last, width - 1 = 7 per row
+    assert index[1, :5].tolist() == [0, 1, 2, 5, 6] and valid[1].all() and not valid[0, 4]
+    with pytest.raises(ValueError, match="varlen"):
+        first.segments()
+    # without a budget: micro_batch_size responses per row, one row per micro-batch
+    plans = plan_shared_prompts(lengths, prompts, same, micro_batch_size=2)
+    assert [p.index for p in plans] == [[0, 1], [2], [3, 4]]
+    with pytest.raises(ValueError, match="sequence 1: prompt of 6 tokens"):
+        plan_shared_prompts([5, 6], [3, 6], [False, True], micro_batch_size=2)

@@ -72,19 +72,29 @@ def test_policy_update_matches_transformers_at_every_layout(pools, tiny_models):
     batch["denoms"] = [batch["mask"].sum().item()]
     algo = vars(AlgorithmConfig(name="grpo"))
     optim = vars(OptimizerConfig(lr=1e-5))
-    results = {}
+    on_policy = {k: v for k, v in batch.items() if k != "old_logprobs"}
+    on_policy["select_mask"] = batch["mask"]
     for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, world_size=4),
+                ParallelConfig(tp=2, world_size=4, sequence_parallel=True),
                 ParallelConfig(tp=2, pp=2, world_size=4)):
         pool = pools.get(4)
-        pool.run(megatron_model.load, key="actor", source=hf, parallel=par)
-        steps = [r for r in pool.run(rl_fns.train_policy, key="actor", batch=batch, algo=algo, optim=optim,
-                                     micro_batch_size=1) if r is not None]
-        # per data-parallel shard partial sums of the global loss and clip fraction
-        pg_loss = sum(s[0]["pg_loss"] for s in steps)
-        results[(par.tp, par.pp)] = (pg_loss, steps[0][0]["grad_norm"])
-        assert abs(pg_loss - loss_hf) < 1e-5, (par, pg_loss, loss_hf)
-        assert abs(steps[0][0]["grad_norm"] - norm_hf) < 1e-4 * norm_hf, (par, steps[0][0]["grad_norm"], norm_hf)
-        assert sum(s[0]["clip_fraction"] for s in steps) == 0.0  # ratio 1: nothing clipped
+        # with the old log-probs given (off-policy form), and on-policy (the update's own, detached)
+        for given in (batch, on_policy):
+            pool.run(megatron_model.load, key="actor", source=hf, parallel=par)
+            results = [r for r in pool.run(rl_fns.train_policy, key="actor", batch=given, algo=algo, optim=optim,
+                                           micro_batch_size=1) if r is not None]
+            steps = [r["steps"] for r in results]
+            # per data-parallel shard partial sums of the global loss and clip fraction
+            pg_loss = sum(s[0]["pg_loss"] for s in steps)
+            assert abs(pg_loss - loss_hf) < 1e-5, (par, pg_loss, loss_hf)
+            assert abs(steps[0][0]["grad_norm"] - norm_hf) < 1e-4 * norm_hf, (par, steps[0][0]["grad_norm"], norm_hf)
+            assert sum(s[0]["clip_fraction"] for s in steps) == 0.0  # ratio 1: nothing clipped
+            if given is on_policy:  # the log-probs of the update's forward, at every response token
+                got = rl_fns.gather_shards([r["per_token"] for r in results])
+                assert (got["logprobs"] - lp_hf * batch["mask"]).abs().max() < 1e-4, par
+                assert ((got["entropy"] > 0) == (batch["mask"] > 0)).all()
+            else:
+                assert all(r["per_token"] is None for r in results)
         pool.run(megatron_model.unload, key="actor")
 
 
@@ -94,9 +104,14 @@ def test_logprobs_are_gathered_in_batch_order(pools, tiny_models):
     _, _, lp_hf = _hf_policy_loss_and_grad_norm(hf, batch)
     pool = pools.get(4)
     pool.run(megatron_model.load, key="ref", source=hf, parallel=ParallelConfig(tp=2, world_size=4))
+    every = rl_fns.gather_shards(pool.run(rl_fns.logprobs, key="ref", batch=batch, micro_batch_size=2, entropy=True,
+                                          response_only=False))
+    assert (every["logprobs"] - lp_hf).abs().max() < 1e-4
+    assert every["entropy"].shape == lp_hf.shape and (every["entropy"] > 0).all()
+    # by default only the response positions (batch["mask"]) are projected onto the vocabulary
     got = rl_fns.gather_shards(pool.run(rl_fns.logprobs, key="ref", batch=batch, micro_batch_size=2, entropy=True))
-    assert (got["logprobs"] - lp_hf).abs().max() < 1e-4
-    assert got["entropy"].shape == lp_hf.shape and (got["entropy"] > 0).all()
+    assert (got["logprobs"] - lp_hf * batch["mask"]).abs().max() < 1e-4
+    assert ((got["entropy"] > 0) == (batch["mask"] > 0)).all()
     pool.run(megatron_model.unload, key="ref")
 
 
@@ -107,6 +122,7 @@ def test_token_budget_and_packing_match_the_padded_path(par, pools, tiny_models,
     # different numbers of micro-batches; under pp=2 the micro-batch shapes vary.
     hf = str(tiny_models["llama"])
     batch = _batch(seed=2, batch=16, prompt=5, seq=32)
+    batch["tokens"][:, :5] = batch["tokens"][::4, :5].repeat_interleave(4, dim=0)  # groups of 4 share a prompt
     _, _, lp_hf = _hf_policy_loss_and_grad_norm(hf, batch)
     batch["old_logprobs"] = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
         * batch["mask"]

@@ -90,10 +90,10 @@ def grpo_overrides(policy: Path, reward_url: str, out: Path, steps: int) -> list
             "data.prompts_per_step=2", "data.size=16", "rollout.n=4", "rollout.max_tokens=12",
             "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=4",
             "reference.micro_batch_size=8", "actor.optim.lr=1e-3", "algorithm.kl_coef=0.01",
-            # padding removed: the actor packs sequences into rows of <= 256 tokens, the reference
-            # cuts micro-batches by the same budget
+            # padding removed: the actor packs sequences into rows of <= 256 tokens; the reference
+            # keeps one copy of each prompt for its 4 samples, in rows of the same budget
             "actor.pack_sequences=true", "actor.max_tokens_per_microbatch=256",
-            "reference.max_tokens_per_microbatch=256",
+            "reference.max_tokens_per_microbatch=256", "reference.share_prompt=true",
             "trainer.tensorboard=false", "trainer.wandb=false", "trainer.collective_timeout_s=20",
             "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
 

@@ -172,11 +172,25 @@ def run_megarl(cfg) -> SystemResult:
         shutdown_ray()  # free the cores and memory before the other system runs
     total = time.perf_counter() - started
     steps = megarl_steps(history)
-    notes = [f"megarl: vLLM rollout + Megatron actor/reference on Ray, {cfg.actor.precision.dtype}, "
-             "steps include rollout, reward, reference and old logprobs, update and weight sync"]
+    from megarl.trainer.advantages import needs_old_logprobs
+
+    old = ("a scoring pass for the old log-probs" if needs_old_logprobs(cfg.algorithm)
+           else "no separate old-log-prob pass (on-policy: the update's forward gives them, as TRL's "
+                "num_iterations=1)")
+    layout = ", ".join(f"{name}: {_batching(role)}" for name, role in cfg.roles().items())
+    notes = [f"megarl: vLLM rollout + Megatron actor/reference on Ray, {cfg.actor.precision.dtype}; "
+             f"steps include rollout, reward, reference log-probs, update and weight sync; {old}",
+             f"megarl micro-batches: {layout}"]
     return SystemResult(system="megarl (vLLM + Megatron)", steps=steps,
                         overhead_s=total - sum(s.seconds for s in steps),
                         samples_per_step=cfg.data.prompts_per_step * cfg.rollout.n, notes=notes)
+
+
+def _batching(role) -> str:
+    parts = [f"{role.micro_batch_size} sequences"] if role.max_tokens_per_microbatch is None else \
+        [f"<= {role.max_tokens_per_microbatch} tokens"]
+    parts += ["packed"] * role.pack_sequences + ["one copy of each prompt per group"] * role.share_prompt
+    return " ".join(parts)
 
 
 def _task(cfg) -> str:

@@ -13,7 +13,7 @@ training step of one micro-batch and measures, on one rank of every pipeline sta
   step (``torch.autograd.graph.saved_tensors_hooks``), parameters and DDP buffers excluded.
 
 It prints the planner's estimate (``megarl.plan.memory.trained_rank`` with the
-``unfused`` attention of the CPU local spec) next to each, the ratio, and PASS when the
+``sdpa`` attention of the CPU local spec) next to each, the ratio, and PASS when the
 estimate is within the tolerance.
 """
 
@@ -161,7 +161,7 @@ def estimate(case: Case, stage: int) -> dict[str, float]:
     from megarl.plan.memory import Layout, Workload, trained_rank
 
     layout = Layout(tp=case.tp, pp=case.pp, dp=case.dp, ep=case.ep)
-    work = Workload(dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len, attention="unfused")
+    work = Workload(dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len, attention="sdpa")
     rank = trained_rank(MODELS[case.model], layout, work, stage, microbatches=1)
     return {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
             "activations": rank.activations_per_microbatch}

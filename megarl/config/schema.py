@@ -88,6 +88,11 @@ class RoleConfig:
     # Sequences packed end to end into rows (padding removed), kept apart by the attention
     # mask (CPU) or varlen THD kernels (Transformer Engine); micro_batch_size then counts rows.
     pack_sequences: bool = False
+    # Policy roles (actor, reference): the samples of one prompt share a single copy of it in
+    # the forward (each response attends to the prompt and itself), so a group of n costs one
+    # prompt plus n responses instead of n prompts. Needs the local attention's explicit mask
+    # (CPU platform); micro_batch_size counts responses per row, a token budget tokens per row.
+    share_prompt: bool = False
     # Placement: None gives the role its own bundles (disaggregated); the name of another
     # role puts its ranks on that role's bundles (colocated).
     colocate_with: str | None = None

@@ -104,6 +104,16 @@ def batching_errors(cfg: RunConfig, name: str, arch: ModelArch, platform: Platfo
         errors.append(f"{name}.pack_sequences: {arch.family} attends within a sliding window, which the local "
                       "(CPU) attention applies in place of the packing mask; set pack_sequences=false or run "
                       "on a GPU with Transformer Engine")
+    if role.share_prompt:
+        if platform.layer_spec_kind == "te":
+            errors.append(f"{name}.share_prompt needs the local attention's explicit mask; Transformer Engine's "
+                          "kernels keep packed sequences apart (use pack_sequences there)")
+        if role.parallel.cp > 1:
+            errors.append(f"{name}.share_prompt needs {name}.parallel.cp=1 (rows are not split over "
+                          "context-parallel ranks)")
+        if arch.sliding_window:
+            errors.append(f"{name}.share_prompt: {arch.family} attends within a sliding window, which the local "
+                          "attention applies in place of the shared-prompt mask; set share_prompt=false")
     return errors
 
 
@@ -204,7 +214,8 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         per_rank = sequences // dp if sequences % dp == 0 else None
         steps = algo.minibatches if name in ("actor", "critic") else 1
         # cut or packed micro-batches take any number of sequences; fixed ones a multiple
-        fixed = 1 if role.max_tokens_per_microbatch is not None or role.pack_sequences else role.micro_batch_size
+        trimmed = role.max_tokens_per_microbatch is not None or role.pack_sequences or role.share_prompt
+        fixed = 1 if trimmed else role.micro_batch_size
         if per_rank is None or per_rank % (steps * fixed):
             errors.append(f"{name}: {sequences} sequences per step (data.prompts_per_step x rollout.n) must split "
                           f"over dp={dp} ranks into {steps} minibatch(es)"

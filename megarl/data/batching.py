@@ -149,11 +149,51 @@ class MicroBatchPlan:
     length: list[int]
     rows: int
     width: int
+    # Shared prompts (``plan_shared_prompts``): sequence k's first ``shared[k]`` tokens are the
+    # prompt written once at column ``prefix_start[k]`` of its row, and ``start[k]`` is where its
+    # own tokens (the response) begin. None: every sequence is contiguous from ``start[k]``.
+    shared: list[int] | None = None
+    prefix_start: list[int] | None = None
 
     @property
     def packed(self) -> bool:
         """More than one sequence shares a row: attention needs a block-diagonal mask."""
         return len(set(self.row)) < len(self.row)
+
+    def columns(self, k: int) -> torch.Tensor:
+        """The column of each of sequence ``k``'s tokens in its row, ``[length[k]]``."""
+        shared = self.shared[k] if self.shared else 0
+        own = torch.arange(self.length[k] - shared) + self.start[k]
+        if not shared:
+            return own
+        return torch.cat([torch.arange(shared) + self.prefix_start[k], own])
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(positions, segment, prefix)``, each ``[rows, width]`` long: each column's position
+        within its sequence, the span it belongs to (a sequence's own tokens, a shared prompt,
+        or a row's padding tail), and the span it may attend to besides its own (its prompt,
+        else itself). Attention from column q to column k <= q is allowed when
+        ``segment[k] in (segment[q], prefix[q])``."""
+        positions = torch.zeros(self.rows, self.width, dtype=torch.long)
+        segment = torch.full((self.rows, self.width), -1, dtype=torch.long)
+        segment += -torch.arange(self.rows).unsqueeze(1)  # each row's padding tail: its own negative id
+        prefix = segment.clone()
+        prompts: dict[tuple[int, int], int] = {}
+        for k, r in enumerate(self.row):
+            shared = self.shared[k] if self.shared else 0
+            own_id = len(self.row) + k  # prompt ids count from 0 and there are fewer than len(row)
+            if shared:
+                key = (r, self.prefix_start[k])
+                pid = prompts.setdefault(key, len(prompts))
+                begin = self.prefix_start[k]
+                positions[r, begin:begin + shared] = torch.arange(shared)
+                segment[r, begin:begin + shared] = pid
+                prefix[r, begin:begin + shared] = pid
+            own = slice(self.start[k], self.start[k] + self.length[k] - shared)
+            positions[r, own] = torch.arange(shared, self.length[k])
+            segment[r, own] = own_id
+            prefix[r, own] = prompts[(r, self.prefix_start[k])] if shared else own_id
+        return positions, segment, prefix
 
     @property
     def label_width(self) -> int:
@@ -163,6 +203,8 @@ class MicroBatchPlan:
     def segments(self) -> list[list[int]]:
         """Per row, the boundaries ``[0, l1, l1+l2, ..., width]`` of its sequences; a padding
         tail is a segment of its own (what a varlen / THD attention kernel takes)."""
+        if self.shared:
+            raise ValueError("rows with shared prompts need an attention mask, not varlen segments")
         bounds: list[list[int]] = [[0] for _ in range(self.rows)]
         for k in sorted(range(len(self.index)), key=lambda k: (self.row[k], self.start[k])):
             bounds[self.row[k]].append(self.start[k] + self.length[k])
@@ -181,6 +223,11 @@ class MicroBatchPlan:
         k = torch.arange(self.label_width)
         length = torch.tensor(self.length).unsqueeze(1)
         valid = k.unsqueeze(0) < length - 1
+        if self.shared:  # a sequence's label positions are its token columns but the last
+            index = torch.zeros(len(self.index), self.label_width, dtype=torch.long)
+            for s in range(len(self.index)):
+                index[s, :self.length[s] - 1] = self.row[s] * (self.width - 1) + self.columns(s)[:-1]
+            return index, valid
         base = (torch.tensor(self.row) * (self.width - 1) + torch.tensor(self.start)).unsqueeze(1)
         return torch.where(valid, base + k, torch.zeros((), dtype=torch.long)), valid
 
@@ -245,6 +292,73 @@ def plan_microbatches(lengths: Sequence[int], width: int, micro_batch_size: int,
             fills.append(offset)
         plans.append(MicroBatchPlan(index=index, row=row, start=start, length=length, rows=len(fills),
                                     width=_round_up(max(fills), multiple)))
+    return plans
+
+
+def plan_shared_prompts(lengths: Sequence[int], prompt_lens: Sequence[int], same_prompt: Sequence[bool],
+                        micro_batch_size: int, max_tokens: int | None = None,
+                        multiple: int = 1) -> list[MicroBatchPlan]:
+    """Micro-batches where the samples of one prompt share a single copy of it.
+
+    A GRPO group is n responses to one prompt; as separate rows the prompt is computed n
+    times. Here a row holds the prompt once and then the responses one after another: each
+    response attends to the prompt and to itself (``MicroBatchPlan.layout``), with positions
+    continuing from the prompt's, so every response sees exactly the context it had alone.
+    ``same_prompt[i]`` says sequence ``i`` has the same prompt (``prompt_lens[i]`` tokens) as
+    sequence ``i - 1``; consecutive runs of such sequences form the groups.
+
+    A row takes a group's responses in order while they fit: at most ``max_tokens`` tokens
+    (prompt included) with a budget, else at most ``micro_batch_size`` responses; a group
+    that does not fit goes on in a new row with its own copy of the prompt. With a budget,
+    rows of similar length are put together as in ``token_budget_microbatches``; without,
+    each row is a micro-batch. Deterministic in its inputs.
+    """
+    n = len(lengths)
+    if not (len(prompt_lens) == len(same_prompt) == n):
+        raise ValueError(f"{n} lengths, {len(prompt_lens)} prompt lengths, {len(same_prompt)} same_prompt flags")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    for i, (length, prompt) in enumerate(zip(lengths, prompt_lens, strict=True)):
+        if not 1 <= prompt < length:
+            raise ValueError(f"sequence {i}: prompt of {prompt} tokens must leave 1..{length - 1} response tokens")
+        if max_tokens is not None and length > max_tokens:
+            raise ValueError(f"sequence {i} has {length} tokens > max_tokens {max_tokens}")
+    if n and same_prompt[0]:
+        raise ValueError("same_prompt[0] must be False: the first sequence starts a group")
+    rows: list[list[int]] = []  # sequence indices of each row, the first one's prompt shared
+    fill = 0
+    for i in range(n):
+        response = lengths[i] - prompt_lens[i]
+        fits = False
+        if same_prompt[i] and rows:
+            fits = fill + response <= max_tokens if max_tokens is not None else len(rows[-1]) < micro_batch_size
+        if fits:
+            rows[-1].append(i)
+            fill += response
+        else:
+            rows.append([i])
+            fill = lengths[i]
+    row_len = [prompt_lens[r[0]] + sum(lengths[i] - prompt_lens[i] for i in r) for r in rows]
+    if max_tokens is not None:
+        groups = token_budget_microbatches(row_len, max_tokens)
+    else:
+        groups = [[r] for r in range(len(rows))]
+    plans = []
+    for group in groups:
+        index, row, start, length, shared, prefix_start = [], [], [], [], [], []
+        for slot, r in enumerate(group):
+            offset = prompt_lens[rows[r][0]]
+            for i in rows[r]:
+                index.append(i)
+                row.append(slot)
+                start.append(offset)
+                length.append(lengths[i])
+                shared.append(prompt_lens[i])
+                prefix_start.append(0)
+                offset += lengths[i] - prompt_lens[i]
+        plans.append(MicroBatchPlan(index=index, row=row, start=start, length=length, rows=len(group),
+                                    width=_round_up(max(row_len[r] for r in group), multiple),
+                                    shared=shared, prefix_start=prefix_start))
     return plans
 
 

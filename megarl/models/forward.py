@@ -80,32 +80,26 @@ def rows_inputs(tokens: torch.Tensor, plan) -> dict:
     - Transformer Engine (GPU): the rows are flattened to one THD stream ``[1, rows*width]``
       with ``cu_seqlens`` at every sequence (and padding tail) boundary; the varlen
       kernels attend within each segment and restart RoPE positions there.
-    - local spec (CPU): an explicit block-diagonal causal mask ``[rows, 1, width, width]``
-      (True = masked out; it replaces the causal mask the softmax would make). RoPE sees
-      row positions, but its scores depend only on relative positions, which packing
-      keeps within a sequence, so each sequence attends as it would alone, up to the fp32
-      rounding of RoPE angles at larger positions (measured: <= 1e-6 in log-probs for
-      rows of 48 tokens, ~1e-4 for rows of 768 on SmolLM2-135M).
+    - local spec (CPU): an explicit causal mask ``[rows, 1, width, width]`` that keeps each
+      sequence to its own tokens (and, with shared prompts, its prompt; True = masked out, it
+      replaces the causal mask the softmax would make), and RoPE at each token's position
+      within its sequence (``rope_positions``, see ``megarl.models.rope_positions``), so each
+      sequence attends exactly as it would alone.
     """
     from megarl.platform import current_platform
 
     rows, width = tokens.shape
-    segments = plan.segments()
     if not plan.packed:
         return {"input_ids": tokens, "position_ids": _position_ids(tokens), "attention_mask": None,
                 "packed_seq_params": None, "shape": (rows, width)}
-    positions = torch.zeros_like(tokens)
-    segment_id = torch.zeros_like(tokens)
-    for r, bounds in enumerate(segments):
-        for s, (begin, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
-            positions[r, begin:end] = torch.arange(end - begin)
-            segment_id[r, begin:end] = s
+    positions, segment, prefix = (t.to(tokens.device) for t in plan.layout())
     if current_platform().layer_spec_kind == "te":
-        return _thd_inputs(tokens, positions, segments)
+        return _thd_inputs(tokens, positions, plan.segments())
     causal = torch.ones(width, width, dtype=torch.bool, device=tokens.device).triu(1)
-    mask = (segment_id.unsqueeze(2) != segment_id.unsqueeze(1)) | causal
-    return {"input_ids": tokens, "position_ids": positions, "attention_mask": mask.unsqueeze(1),
-            "packed_seq_params": None, "shape": (rows, width)}
+    key = segment.unsqueeze(1)  # [rows, 1, k]
+    allowed = (key == segment.unsqueeze(2)) | (key == prefix.unsqueeze(2))
+    return {"input_ids": tokens, "position_ids": positions, "attention_mask": (~allowed | causal).unsqueeze(1),
+            "packed_seq_params": None, "shape": (rows, width), "rope_positions": positions}
 
 
 def _thd_inputs(tokens: torch.Tensor, positions: torch.Tensor, segments: list[list[int]]) -> dict:
@@ -123,13 +117,22 @@ def _thd_inputs(tokens: torch.Tensor, positions: torch.Tensor, segments: list[li
 
 
 def rows_forward(chunk, inputs: dict) -> torch.Tensor:
-    """Runs one model chunk on ``rows_inputs``; the last stage's output is ``[b', s', ...]``."""
+    """Runs one model chunk on ``rows_inputs``; the last stage's output is ``[b', s', ...]``, or
+    ``[1, n, vocab/tp]`` logits when ``inputs["select"]`` names ``n`` positions (flat indices
+    into ``[rows, width]``, see ``megarl.models.selected_logits``)."""
+    from megarl.models.rope_positions import rope_at
+    from megarl.models.selected_logits import logits_at
+
     kwargs = {} if inputs["packed_seq_params"] is None else {"packed_seq_params": inputs["packed_seq_params"]}
-    return chunk(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], **kwargs)
+    with logits_at(chunk, inputs.get("select")), rope_at(chunk, inputs.get("rope_positions")):
+        return chunk(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], **kwargs)
 
 
 def rows_output(output: torch.Tensor, inputs: dict) -> torch.Tensor:
-    """The last stage's output ``[rows, width, ...]`` whatever layout the model ran in (THD: one row)."""
+    """The last stage's output ``[rows, width, ...]`` whatever layout the model ran in (THD: one row);
+    logits of selected positions (``inputs["select"]``) stay ``[1, n, vocab/tp]``."""
+    if inputs.get("select") is not None:
+        return output
     return output.reshape(*inputs["shape"], *output.shape[2:])
 
 

@@ -14,8 +14,9 @@ The model counts what megarl's megatron-core setup allocates (``megarl.models.gp
   bf16/fp16; the distributed optimizer shards all of it over the data-parallel ranks
   (expert parameters over the expert-data-parallel ranks).
 - activations: tensors saved for backward in one micro-batch, per layer, for the
-  attention implementation in use (``flash``: Transformer Engine on GPU;
-  ``unfused``: megatron-core's local spec, which keeps the s x s softmax), times the
+  attention implementation in use (``flash``: Transformer Engine on GPU; ``sdpa``: the
+  CPU local spec with torch's fused kernel; ``unfused``: megatron-core's own local
+  attention, which keeps the s x s softmax), times the
   micro-batches a 1F1B pipeline keeps in flight on its first stage.
 
 ``megarl bench memory`` measures the same quantities on real megatron-core models.
@@ -30,7 +31,7 @@ from megarl.models.hf_arch import ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("flash", "unfused")
+ATTENTION = ("flash", "sdpa", "unfused")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Workload:
     micro_batch: int = 1
     seq_len: int = 4096
     recompute: str = "none"  # none | selective (attention core) | full (each layer's input only)
-    attention: str = "flash"  # flash (TE, GPU) | unfused (local spec: CPU)
+    attention: str = "flash"  # flash (TE, GPU) | sdpa (local spec + torch SDPA: CPU) | unfused (local spec)
     distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
@@ -204,6 +205,13 @@ def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload) -> f
         if work.recompute != "selective":
             attn += b * heads * s * s * (4 + (e if e != 4 else 0))
         return 2 * norm + attn + mlp
+    if work.attention == "sdpa":
+        # the local spec's norms and linears, with torch's fused attention: q, k and v (k, v
+        # not expanded), its output and per-row log-sum-exp, the projection's input, RoPE
+        norm = t * (8 * h + 4) + t * h * e
+        kv_heads = max(1, arch.num_kv_heads // tp)
+        attn = (3 * heads + 2 * kv_heads) * t * d * e + b * heads * s * 4 + 4 * s * d * e
+        return 2 * norm + attn + mlp
     # Transformer Engine: fused RMSNorm+linear keeps the norm input, 1/rms and its output;
     # flash attention keeps q, k, v (k, v not expanded), the output and the softmax stats.
     norm = t * h / sp * e * 2 + t * 4 / sp
@@ -216,7 +224,7 @@ def head_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, pad_m
     """Bytes the last stage saves after the layers: final norm, output input, the loss's softmax."""
     t = work.micro_batch * work.seq_len // layout.cp
     h, e = arch.hidden_size, work.elem
-    norm = t * (8 * h + 4) + t * h * e if work.attention == "unfused" else t * h * e * 2 + t * 4
+    norm = t * (8 * h + 4) + t * h * e if work.attention != "flash" else t * h * e * 2 + t * 4
     if value_head:
         return norm
     return norm + t * padded_vocab(arch, layout.tp, pad_multiple) // layout.tp * e

@@ -86,9 +86,14 @@ def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False):
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm
         )
-    return specs.get_gpt_layer_local_spec(
+    from megarl.platform.sdpa_attention import SDPAttention
+
+    spec = specs.get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=False,
         qk_layernorm=qk_layernorm,
         normalization="RMSNorm",
     )
+    # torch's fused attention kernel in place of the local one (see sdpa_attention)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec

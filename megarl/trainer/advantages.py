@@ -26,19 +26,28 @@ from megarl.config.schema import AlgorithmConfig
 ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
 
 
+def needs_old_logprobs(algo: AlgorithmConfig) -> bool:
+    """Whether the step scores the rollout under the actor before updating it. Not when the update
+    is one optimizer step over the whole batch (it is on-policy: its own forward is the behaviour
+    policy's) unless the reward needs the actor-reference KL first."""
+    return algo.ppo_epochs > 1 or algo.minibatches > 1 or algo.kl_in_reward
+
+
 def estimate(algo: AlgorithmConfig, scores: torch.Tensor, mask: torch.Tensor, group_size: int,
-             old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
+             old: dict[str, torch.Tensor] | None, ref_logprobs: torch.Tensor | None = None,
              values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Returns ``advantages`` [B, T], the (possibly reduced) ``mask``, and ``returns`` for PPO."""
+    """Returns ``advantages`` [B, T], the (possibly reduced) ``mask``, and ``returns`` for PPO.
+    ``old`` (the actor's ``logprobs`` before the update) is needed for KL in the reward only."""
     out: dict[str, torch.Tensor] = {}
     if algo.dynamic_sampling:
         keep, _ = dynamic_sampling_mask(scores, group_size)
         mask = mask * keep.to(mask.dtype).unsqueeze(1)  # groups with one reward teach nothing
     out["mask"] = mask
     kl = None
-    if ref_logprobs is not None:
-        kl = kl_estimate(old_logprobs, ref_logprobs, estimator="k1") * mask
-        out["kl"] = kl
+    if algo.kl_in_reward and ref_logprobs is not None:
+        if old is None:
+            raise ValueError("algorithm.kl_in_reward needs the actor's log-probs before the update")
+        kl = kl_estimate(old["logprobs"], ref_logprobs, estimator="k1") * mask
     if algo.name == "grpo":
         out["advantages"] = broadcast(grpo_advantages(scores, group_size, norm_std=algo.norm_std), mask)
     elif algo.name == "rloo":

@@ -7,7 +7,7 @@ import time
 import torch
 
 from megarl.config.schema import RunConfig
-from megarl.trainer.advantages import estimate
+from megarl.trainer.advantages import estimate, needs_old_logprobs
 from megarl.trainer.run import Run, step_metrics
 from megarl.workers.rl_fns import train_policy, train_value
 
@@ -26,20 +26,21 @@ def train(cfg: RunConfig) -> list[dict]:
                 scores, parts = run.score(batch, texts)
             with run.phase("reference"):
                 ref = reference.logprobs(batch) if reference else None
-            with run.phase("actor_logprobs"):
-                old = actor.logprobs(batch, entropy=True)
+            with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
+                old = actor.logprobs(batch, entropy=True) if needs_old_logprobs(cfg.algorithm) else None
             with run.phase("critic_values"):
                 values = critic.values(batch) if critic else None
             with run.phase("advantages"):
-                est = estimate(cfg.algorithm, scores, batch.mask, batch.group_size, old["logprobs"], ref, values)
+                est = estimate(cfg.algorithm, scores, batch.mask, batch.group_size, old, ref, values)
             with run.phase("actor_update"):
-                metrics = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
+                metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
+                old = old or fresh
             if critic:
                 with run.phase("critic_update"):
-                    metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)
+                    metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]
             with run.phase("weight_sync"):
                 verified = run.update_weights(batch)
-            metrics |= step_metrics(batch, scores, parts, old, est, batch.rollout_logprobs) | verified
+            metrics |= step_metrics(batch, scores, parts, old, ref, est) | verified
             metrics |= timing(run, batch, time.perf_counter() - began)
             log.log(run.step, metrics)
             if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
@@ -54,8 +55,11 @@ def train(cfg: RunConfig) -> list[dict]:
 
 def policy_batch(batch, est, old, ref, cfg) -> dict:
     out = {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "advantages": est["advantages"],
-           "old_logprobs": old["logprobs"],
            "denoms": denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
+    if old is not None:
+        out["old_logprobs"] = old["logprobs"]
+    else:  # on-policy: the update returns log-probs and entropy at every response token, for the metrics
+        out["select_mask"] = batch.mask
     if ref is not None:
         out["ref_logprobs"] = ref
     return out

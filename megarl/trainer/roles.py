@@ -30,7 +30,8 @@ class MegatronRole:
     def _batching(self) -> dict[str, Any]:
         """How the rank functions cut the batch: fixed micro-batches, a token budget, packing."""
         return {"micro_batch_size": self.cfg.micro_batch_size, "pack_sequences": self.cfg.pack_sequences,
-                "max_tokens_per_microbatch": self.cfg.max_tokens_per_microbatch}
+                "max_tokens_per_microbatch": self.cfg.max_tokens_per_microbatch,
+                "share_prompt": self.cfg.share_prompt}
 
     def load(self, timeout_minutes: int = 30) -> None:
         """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
@@ -49,15 +50,19 @@ class MegatronRole:
         return rl_fns.gather_shards(self._run(rl_fns.scores, key=self.name, batch=batch.to_workers(),
                                               **self._batching()))
 
-    def train(self, fn, batch: dict, algo: AlgorithmConfig) -> dict[str, float]:
+    def train(self, fn, batch: dict, algo: AlgorithmConfig) -> tuple[dict[str, float], dict | None]:
+        """Runs the update ``fn`` on every rank: (the update's metrics, averaged over its optimizer
+        steps; the per-token outputs it returned, in batch order, or None)."""
         shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=asdict(algo), optim=asdict(self.cfg.optim),
                                        **self._batching()) if r is not None]
         steps = []
-        for per_shard in zip(*shards, strict=True):  # one entry per optimizer step
+        for per_shard in zip(*(s["steps"] for s in shards), strict=True):  # one entry per optimizer step
             merged = {k: (sum(s[k] for s in per_shard) if k in SUMMED else per_shard[0][k]) for k in per_shard[0]}
             steps.append(merged)
+        per_token = [s["per_token"] for s in shards if s["per_token"] is not None]
         # logged: the mean over this update's optimizer steps
-        return {f"{self.name}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics = {f"{self.name}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        return metrics, (rl_fns.gather_shards(per_token) if per_token else None)
 
     def save(self, directory: str) -> None:
         self._run(checkpoint_fns.save, key=self.name, out_dir=directory, source=self.source)

@@ -291,12 +291,13 @@ class Run:
 
 
 def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
-                 est: dict, rollout_lp: torch.Tensor) -> dict[str, float]:
-    """What every step logs besides the updates' own metrics."""
-    from megarl.algorithms import masked_mean
+                 ref: torch.Tensor | None, est: dict) -> dict[str, float]:
+    """What every step logs besides the updates' own metrics; ``old`` holds the actor's
+    ``logprobs`` and ``entropy`` before the update, ``ref`` the reference's log-probs."""
+    from megarl.algorithms import kl_estimate, masked_mean
 
     mask = batch.mask
-    diff = (old["logprobs"] - rollout_lp).abs()
+    diff = (old["logprobs"] - batch.rollout_logprobs).abs()
     groups = scores.view(-1, batch.group_size)
     out = {
         "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
@@ -307,8 +308,8 @@ def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, tor
         "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(diff), mask)),
         "groups/mixed_fraction": float((groups.max(1).values != groups.min(1).values).float().mean()),
     }
-    if "kl" in est:
-        out["kl/mean"] = float(masked_mean(est["kl"], mask))
+    if ref is not None:  # k1 over the responses the update learnt from
+        out["kl/mean"] = float(masked_mean(kl_estimate(old["logprobs"], ref, estimator="k1") * est["mask"], mask))
     for name, values in parts.items():
         out[name] = float(values.mean())
     return out

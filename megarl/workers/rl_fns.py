@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megarl.models.logprobs import next_token_logprobs
+from megarl.models.vocab_parallel import vocab_parallel_stats
 from megarl.workers.megatron_model import HeldModel, held
 
 
@@ -44,32 +45,45 @@ def _lengths(shard: dict[str, Any], width: int) -> list[int]:
 
 
 def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int,
-                  max_tokens: int | None = None, pack: bool = False) -> list[dict[str, Any]]:
+                  max_tokens: int | None = None, pack: bool = False, select: bool = False,
+                  share: bool = False) -> list[dict[str, Any]]:
     """This shard's micro-batches: fixed ``micro_batch_size`` rows of the padded batch, or (token
     budget / packing) rows cut to their longest sequence or packed; see ``plan_microbatches``.
+    With ``select``, the model projects onto the vocabulary only at the response label
+    positions (``_select_labels``); with ``select`` and ``share`` as well, consecutive samples of
+    one prompt share a single copy of it (``plan_shared_prompts``).
 
     Each holds the model's input (``tokens`` [rows, width], ``inputs``), where its sequences
     sit (``index`` into the shard, ``gather`` / ``valid`` [b, T] over label positions,
     ``seq_row`` / ``seq_start``), and every per-sequence field of the shard for its sequences,
     token-level ones ([n, L-1]) cut to the micro-batch's ``T`` label positions.
     """
-    from megarl.data.batching import plan_microbatches
+    from megarl.data.batching import plan_microbatches, plan_shared_prompts
     from megarl.models.forward import rows_inputs
+    from megarl.platform import current_platform
 
     tokens = shard["tokens"]
     n, width = tokens.shape
-    trimmed = max_tokens is not None or pack
-    lengths = _lengths(shard, width) if trimmed else [width] * n
     par = model.spec.parallel
+    # shared prompts need an explicit attention mask (the local spec) and whole sequences per rank
+    share = share and select and par.cp == 1 and current_platform().layer_spec_kind != "te"
+    trimmed = max_tokens is not None or pack or share
+    lengths = _lengths(shard, width) if trimmed else [width] * n
     multiple = par.tp if par.sequence_parallel else 1
     device = next(model.chunks[0].parameters()).device
+    if share:
+        prompts = _prompt_lens(shard, lengths)
+        same = [i > 0 and prompts[i] == prompts[i - 1]
+                and torch.equal(tokens[i, :prompts[i]], tokens[i - 1, :prompts[i]]) for i in range(n)]
+        plans = plan_shared_prompts(lengths, prompts, same, micro_batch_size, max_tokens, multiple)
+    else:
+        plans = plan_microbatches(lengths, width, micro_batch_size, max_tokens, pack, multiple)
     out = []
-    for plan in plan_microbatches(lengths, width, micro_batch_size, max_tokens, pack, multiple):
+    for plan in plans:
         index = torch.tensor(plan.index)
         rows = torch.zeros(plan.rows, plan.width, dtype=tokens.dtype)  # padding: any valid id
         for k, i in enumerate(plan.index):
-            begin, length = plan.start[k], plan.length[k]
-            rows[plan.row[k], begin:begin + length] = tokens[i, :length]
+            rows[plan.row[k], plan.columns(k)] = tokens[i, :plan.length[k]]
         gather, valid = plan.label_gather()
         labels = plan.label_width
         mb = {"plan": plan, "index": index, "tokens": rows, "gather": gather, "valid": valid,
@@ -83,8 +97,36 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
                 mb[key] = value[index]
         mb = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
         mb["inputs"] = rows_inputs(mb["tokens"], plan)
+        if select and par.cp == 1:  # context parallelism splits the sequence: every position stays
+            _select_labels(mb, plan, tokens[index, 1:labels + 1].to(device))
         out.append(mb)
     return out
+
+
+def _prompt_lens(shard: dict[str, Any], lengths: list[int]) -> list[int]:
+    """Each sequence's prompt length: up to its first response label position (``select_mask``
+    when the batch has one, else ``mask``); a sequence without one counts as all prompt but its
+    last token, so it shares only with an identical sequence."""
+    mask = shard.get("select_mask", shard["mask"]) != 0
+    first = mask.float().argmax(dim=1)
+    return [int(f) + 1 if m else n - 1 for f, m, n in zip(first, mask.any(dim=1), lengths, strict=True)]
+
+
+def _select_labels(mb: dict[str, Any], plan, labels: torch.Tensor) -> None:
+    """Marks the label positions whose log-probs the step needs: response tokens (``select_mask``
+    when the batch has one, else ``mask``). The model then computes logits there only; the
+    results come back at the same [b, T] places, 0 elsewhere (see ``_label_stats``). ``labels``
+    [b, T] are each sequence's next tokens (a shared prompt's last column has several)."""
+    keep = mb["valid"] & (mb.get("select_mask", mb["mask"]) != 0)
+    if not keep.any():  # nothing needed: compute one position (shared rows have no other path) and zero it
+        keep = torch.zeros_like(keep)
+        keep[0, 0] = True
+        mb["selected_zero"] = True
+    flat = mb["gather"][keep]  # into rows x (width - 1) label positions
+    positions = flat // (plan.width - 1) * plan.width + flat % (plan.width - 1)  # into rows x width
+    mb["inputs"]["select"] = positions
+    mb["selected_labels"] = labels[keep]
+    mb["selected_at"] = keep.reshape(-1).nonzero().squeeze(1)  # where each result goes in [b * T]
 
 
 def _per_label(x: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
@@ -99,7 +141,17 @@ def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: 
     """log p(next token) [b, T] of each sequence (and, with ``entropy``, each prediction's entropy),
     computed on the rows in one pass, where a packed sequence's last position predicts the next
     one's first token: never gathered. Passing the whole logits (not ``logits[:, :-1]``) spares
-    autograd a logits-sized gradient for the slice."""
+    autograd a logits-sized gradient for the slice. Logits of selected positions only
+    (``[1, n, vocab/tp]``) give results there and 0 at the other label positions."""
+    if "selected_at" in mb:
+        lp, ent = vocab_parallel_stats(logits[0], mb["selected_labels"], vocab, entropy=entropy)
+        b, t = mb["valid"].shape
+
+        def place(x):
+            out = x.new_zeros(b * t).index_copy(0, mb["selected_at"], x).view(b, t)
+            return out * 0 if mb.get("selected_zero") else out
+
+        return (place(lp), place(ent)) if entropy else place(lp)
     if not entropy:
         return _per_label(next_token_logprobs(logits, mb["tokens"], vocab), mb)
     lp, ent = next_token_logprobs(logits, mb["tokens"], vocab, entropy=True)
@@ -141,7 +193,7 @@ def gather_shards(results: list) -> Any:
 
 
 def _forward(key: str, batch: dict[str, Any], micro_batch_size: int, head, max_tokens: int | None,
-             pack: bool) -> tuple[int, Any] | None:
+             pack: bool, select: bool = False, share: bool = False) -> tuple[int, Any] | None:
     """Runs ``head(outputs [rows, width, ...], microbatch)`` on every micro-batch of this rank's
     shard, no grad; the results come back in the shard's order."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -150,7 +202,7 @@ def _forward(key: str, batch: dict[str, Any], micro_batch_size: int, head, max_t
 
     model = held(key)
     shard = _shard(model, batch)
-    mbs = _microbatches(model, shard, micro_batch_size, max_tokens, pack)
+    mbs = _microbatches(model, shard, micro_batch_size, max_tokens, pack, select, share)
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
@@ -173,9 +225,13 @@ def _forward(key: str, batch: dict[str, Any], micro_batch_size: int, head, max_t
 
 
 def logprobs(key: str, batch: dict[str, Any], micro_batch_size: int, entropy: bool = False,
-             max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
+             max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+             share_prompt: bool = False, response_only: bool = True):
     """log p(tokens[:, 1:]) [B, L-1] (and the entropy of each prediction) under the model; 0 past
-    each sequence's end when micro-batches are cut or packed (``seq_lens``)."""
+    each sequence's end when micro-batches are cut or packed (``seq_lens``). With
+    ``response_only`` (the RL roles' case) only the label positions in ``batch["mask"]`` are
+    computed, and the others are 0; ``share_prompt`` then computes each prompt once for its
+    consecutive samples."""
     vocab = held(key).spec.arch.vocab_size
 
     def head(logits, mb):
@@ -184,18 +240,20 @@ def logprobs(key: str, batch: dict[str, Any], micro_batch_size: int, entropy: bo
         lp, ent = _label_stats(logits, mb, vocab, entropy=True)
         return {"logprobs": lp.float(), "entropy": ent.float()}
 
-    return _forward(key, batch, micro_batch_size, head, max_tokens_per_microbatch, pack_sequences)
+    return _forward(key, batch, micro_batch_size, head, max_tokens_per_microbatch, pack_sequences,
+                    select=response_only, share=share_prompt)
 
 
 def values(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens_per_microbatch: int | None = None,
-           pack_sequences: bool = False):
-    """Critic values of the state before each label position [B, L-1]."""
+           pack_sequences: bool = False, share_prompt: bool = False):
+    """Critic values of the state before each label position [B, L-1]. (Value heads read every
+    position, so ``share_prompt``, a policy-side saving, does not apply.)"""
     return _forward(key, batch, micro_batch_size, lambda v, mb: _per_label(v[:, :-1, 0], mb).float(),
                     max_tokens_per_microbatch, pack_sequences)
 
 
 def scores(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens_per_microbatch: int | None = None,
-           pack_sequences: bool = False):
+           pack_sequences: bool = False, share_prompt: bool = False):
     """Reward-model score of each sequence [B]: the value head at its last token."""
     def head(v, mb):
         return v[mb["seq_row"], mb["seq_start"] + mb["seq_lens"] - 1, 0].float()
@@ -224,9 +282,19 @@ def _set_lr(model: HeldModel, optim: dict) -> float:
     return lr
 
 
+# loss-function outputs under this prefix are per-token tensors [b, T], not metrics to sum
+PER_TOKEN = "per_token/"
+
+
 def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int, minibatches: int, epochs: int,
-            loss_fn, max_tokens: int | None, pack: bool) -> list[dict[str, float]] | None:
-    """``epochs`` passes over ``minibatches`` optimizer steps on this rank's shard."""
+            loss_fn, max_tokens: int | None, pack: bool, select: bool = False,
+            share: bool = False) -> dict[str, Any] | None:
+    """``epochs`` passes over ``minibatches`` optimizer steps on this rank's shard.
+
+    Returns ``{"steps": [metrics of each optimizer step], "per_token": (dp_rank, {name: [n, L-1]})
+    or None}``: per-token outputs of the loss (``PER_TOKEN`` keys) come back, in the shard's order,
+    when one step covers the whole shard once (then they are the pre-update model's).
+    """
     from megarl.models.forward import rows_forward
     from megarl.models.train import train_step
 
@@ -237,13 +305,13 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
     if n % minibatches:
         raise ValueError(f"{n} sequences per data-parallel rank do not split into {minibatches} minibatches")
     size = n // minibatches
-    per_step = []
+    per_step, per_token = [], None
     for _ in range(epochs):
         for m in range(minibatches):
             part = {k: (v[m * size:(m + 1) * size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                     for k, v in shard.items()}
             part["denom"] = shard["denoms"][m]
-            mbs = _microbatches(model, part, micro_batch_size, max_tokens, pack)
+            mbs = _microbatches(model, part, micro_batch_size, max_tokens, pack, select, share)
             for mb in mbs:
                 # megatron divides each micro-batch's loss by this rank's number of micro-batches
                 # (which may differ between ranks under a token budget) and DDP averages over
@@ -256,34 +324,52 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
             metrics = {"grad_norm": float(result["grad_norm"] or 0.0), "lr": lr,
                        "skipped": float(not result["updated"])}
             if result["metrics"]:
+                tensors = [{k.removeprefix(PER_TOKEN): r.pop(k) for k in list(r) if k.startswith(PER_TOKEN)}
+                           for r in result["metrics"]]
+                if tensors[0] and epochs == minibatches == 1:
+                    per_token = (model.info.dp_rank, _scatter(tensors, mbs, n, shard["tokens"].shape[1]))
                 for name in result["metrics"][0]:
                     metrics[name] = sum(float(r[name]) for r in result["metrics"])
             per_step.append(metrics)
     if not _reporting(model):
         return None
-    return per_step
+    return {"steps": per_step, "per_token": per_token}
 
 
 def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int,
-                 max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
-    """Clipped policy-gradient updates (+ KL and entropy terms) on ``batch``; per-step metrics."""
+                 max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+                 share_prompt: bool = False):
+    """Clipped policy-gradient updates (+ KL and entropy terms) on ``batch``; see ``_update``.
+
+    Without ``batch["old_logprobs"]`` the update is on-policy (one epoch, one minibatch): the
+    behaviour policy is the model as it is, so the ratio is ``exp(lp - lp.detach())`` (1, with
+    the policy gradient) and no separate scoring pass is needed. The log-probs and entropy of
+    that forward come back per token instead, at the positions of ``select_mask``, for the
+    step's metrics."""
     from megarl.algorithms import aggregate, kl_loss, policy_loss
     from megarl.models.forward import rows_output
 
     vocab = held(key).spec.arch.vocab_size
+    on_policy = "old_logprobs" not in batch
+    if on_policy and (algo["ppo_epochs"] != 1 or algo["minibatches"] != 1):
+        raise ValueError(f"no old_logprobs: an update of {algo['ppo_epochs']} epoch(s) x {algo['minibatches']} "
+                         "minibatch(es) is off-policy after its first step and needs them")
 
     def loss_fn(output, mb):
         logits = rows_output(output, mb["inputs"])
         mask = mb["mask"]
         with_entropy = algo["entropy_coef"] > 0
-        if with_entropy:
+        if with_entropy or on_policy:
             lp, ent = _label_stats(logits, mb, vocab, entropy=True)
         else:
             lp = _label_stats(logits, mb, vocab)
         common = {"aggregation": algo["aggregation"], "denom": mb["denom"]}
-        loss, metrics = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask, clip_low=algo["clip_low"],
+        old = lp.detach() if on_policy else mb["old_logprobs"]
+        loss, metrics = policy_loss(lp, old, mb["advantages"], mask, clip_low=algo["clip_low"],
                                     clip_high=algo["clip_high"], dual_clip=algo["dual_clip"], **common)
         out = {"pg_loss": loss.detach()}
+        if on_policy:
+            out |= {f"{PER_TOKEN}logprobs": lp.detach().float(), f"{PER_TOKEN}entropy": ent.detach().float()}
         if algo["kl_coef"] > 0 and not algo["kl_in_reward"]:
             kl = kl_loss(lp, mb["ref_logprobs"], mask, estimator=algo["kl_estimator"], **common)
             loss = loss + algo["kl_coef"] * kl
@@ -298,11 +384,12 @@ def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro
         return loss * mb["scale"], out
 
     return _update(key, batch, optim, micro_batch_size, algo["minibatches"], algo["ppo_epochs"], loss_fn,
-                   max_tokens_per_microbatch, pack_sequences)
+                   max_tokens_per_microbatch, pack_sequences, select=True, share=share_prompt)
 
 
 def train_value(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int,
-                max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
+                max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+                share_prompt: bool = False):
     """Clipped value-loss updates of the critic towards ``batch["returns"]``."""
     from megarl.algorithms import value_loss
     from megarl.models.forward import rows_output
