@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.utils.cores import usable_cores
+
 TARGET_RATIO = 1.5
 TRL_MISSING = ("megarl bench e2e compares against TRL's GRPOTrainer, but the package trl is not installed; "
                "install it with: pip install -e .[bench]")
@@ -242,17 +244,13 @@ def run_e2e(cfgs: list[dict[str, Any]], steps: int, threads: int, progress=print
         results.append(result)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     first = cfgs[0]["megarl"]
-    setup = {"task": _task(first), "steps": steps, "threads": threads, "cores": _cores(),
+    setup = {"task": _task(first), "steps": steps, "threads": threads, "cores": usable_cores(),
              "out": str(Path(first.output_dir).parent.parent),
              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-             "notes": [f"1-minute load average at the end: {load:.2f} on {_cores()} cores; other jobs on the "
+             "notes": [f"1-minute load average at the end: {load:.2f} on {usable_cores()} cores; other jobs on the "
                        "machine slow either side, so compare ratios from back-to-back runs only",
                        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} for both systems"]}
     return build_report(setup, results)
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 DESCRIPTION = """Runs the same GRPO task with the same model on this machine through megarl (`megarl train`'s
@@ -280,7 +278,7 @@ def add_e2e_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per system per round (default 4)")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat both runs, alternating which goes first (default 1)")
-    p.add_argument("--threads", type=int, default=_cores(), help="torch threads (default: the usable cores)")
+    p.add_argument("--threads", type=int, default=usable_cores(), help="torch threads (default: the usable cores)")
     p.add_argument("--out", type=Path, default=None,
                    help="run directories (default runs/bench-e2e/<timestamp>)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megarl.config.schema import ParallelConfig
+from megarl.utils.cores import usable_cores
 
 MODES = ("dp-strong", "dp-weak", "tp-strong", "pp-strong")
 DEFAULT_MODES = ("dp-strong", "dp-weak", "tp-strong")
@@ -154,7 +155,7 @@ def machine_description() -> dict[str, Any]:
     from megarl.platform import current_platform
 
     platform = current_platform()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     info: dict[str, Any] = {"cores": cores, "backend": platform.backend, "device": platform.name}
     if hasattr(os, "getloadavg"):  # other work on the machine slows every rank count differently
         info["load_average_1min"] = round(os.getloadavg()[0], 2)

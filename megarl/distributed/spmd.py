@@ -20,6 +20,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from megarl.utils.cores import usable_cores
+
 
 class SpmdError(RuntimeError):
     """A rank of an SpmdPool failed; the message names the rank and carries its traceback."""
@@ -32,7 +34,7 @@ def free_port() -> int:
 
 
 def _threads_per_rank(world_size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     return max(1, cores // world_size)
 
 

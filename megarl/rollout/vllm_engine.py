@@ -14,6 +14,7 @@ from typing import Any
 
 from megarl.platform import current_platform
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.utils.cores import usable_cores
 
 WORKER_EXTENSION = "megarl.rollout.worker_extension.WeightSyncExtension"
 
@@ -26,7 +27,7 @@ def _cpu_environment(kv_cache_gib: int, tp: int) -> None:
     # Unpinned, vLLM's workers run as many torch threads as OMP_NUM_THREADS says, and Ray sets
     # that to the actor's logical CPUs (1): generation would use one core of the engine's share.
     # The engine's TP workers split the cores this process may run on.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     os.environ["OMP_NUM_THREADS"] = str(max(1, cores // tp))
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
+from megarl.utils.cores import usable_cores
 from megarl.workers.state import RankContext, current_rank, set_current_rank, state
 
 _POLL_S = 1.0  # longest single ray.wait, so the driver stays responsive to Ctrl-C
@@ -123,7 +124,7 @@ def _init_distributed(master_addr: str, master_port: int, local_rank: int, local
     from megarl.platform import current_platform
 
     ctx = current_rank()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     # Ray sets OMP_NUM_THREADS to the actor's logical CPUs (1); size the pool from the
     # real cores shared by this group's ranks on the node instead, as SpmdPool does.
     threads = threads or max(1, cores // local_world_size)
