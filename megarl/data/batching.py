@@ -181,18 +181,16 @@ class MicroBatchPlan:
         prompts: dict[tuple[int, int], int] = {}
         for k, r in enumerate(self.row):
             shared = self.shared[k] if self.shared else 0
+            columns = self.columns(k)
+            positions[r, columns] = torch.arange(self.length[k])
             own_id = len(self.row) + k  # prompt ids count from 0 and there are fewer than len(row)
+            segment[r, columns[shared:]] = own_id
+            attends = own_id
             if shared:
-                key = (r, self.prefix_start[k])
-                pid = prompts.setdefault(key, len(prompts))
-                begin = self.prefix_start[k]
-                positions[r, begin:begin + shared] = torch.arange(shared)
-                segment[r, begin:begin + shared] = pid
-                prefix[r, begin:begin + shared] = pid
-            own = slice(self.start[k], self.start[k] + self.length[k] - shared)
-            positions[r, own] = torch.arange(shared, self.length[k])
-            segment[r, own] = own_id
-            prefix[r, own] = prompts[(r, self.prefix_start[k])] if shared else own_id
+                attends = prompts.setdefault((r, self.prefix_start[k]), len(prompts))
+                segment[r, columns[:shared]] = attends
+                prefix[r, columns[:shared]] = attends
+            prefix[r, columns[shared:]] = attends
         return positions, segment, prefix
 
     @property
@@ -326,19 +324,18 @@ def plan_shared_prompts(lengths: Sequence[int], prompt_lens: Sequence[int], same
     if n and same_prompt[0]:
         raise ValueError("same_prompt[0] must be False: the first sequence starts a group")
     rows: list[list[int]] = []  # sequence indices of each row, the first one's prompt shared
-    fill = 0
+    row_len: list[int] = []  # tokens of each row: the prompt once, then the responses
     for i in range(n):
         response = lengths[i] - prompt_lens[i]
         fits = False
         if same_prompt[i] and rows:
-            fits = fill + response <= max_tokens if max_tokens is not None else len(rows[-1]) < micro_batch_size
+            fits = row_len[-1] + response <= max_tokens if max_tokens is not None else len(rows[-1]) < micro_batch_size
         if fits:
             rows[-1].append(i)
-            fill += response
+            row_len[-1] += response
         else:
             rows.append([i])
-            fill = lengths[i]
-    row_len = [prompt_lens[r[0]] + sum(lengths[i] - prompt_lens[i] for i in r) for r in rows]
+            row_len.append(lengths[i])
     if max_tokens is not None:
         groups = token_budget_microbatches(row_len, max_tokens)
     else:

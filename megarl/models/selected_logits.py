@@ -37,8 +37,9 @@ def logits_at(chunk, positions: torch.Tensor | None) -> Iterator[None]:
 
     Under sequence parallelism each rank holds a slice of the sequence; the slices are
     gathered first (as megatron does for last-token logits at inference) and the layer runs
-    without its own gather for that call. The gather's backward keeps each rank's own slice,
-    because the output layer has already all-reduced the input gradient over the group.
+    without its own gather until the block ends (it is the model's last module, and its
+    backward keeps the setting it ran with). The gather's backward keeps each rank's own
+    slice, because the output layer has already all-reduced the input gradient over the group.
     """
     layer = output_layer(chunk) if positions is not None else None
     if layer is None:
@@ -57,17 +58,10 @@ def logits_at(chunk, positions: torch.Tensor | None) -> Iterator[None]:
         rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
         return (rows.index_select(0, positions.to(rows.device)).unsqueeze(1), *args[1:]), kwargs
 
-    def restore(module, args, kwargs, output):
-        while restore_sp:
-            restore_sp.pop().sequence_parallel = True
-        return output
-
-    hooks = [layer.register_forward_pre_hook(pick, with_kwargs=True),
-             layer.register_forward_hook(restore, with_kwargs=True)]
+    hook = layer.register_forward_pre_hook(pick, with_kwargs=True)
     try:
         yield
     finally:
-        for hook in hooks:
-            hook.remove()
+        hook.remove()
         while restore_sp:
             restore_sp.pop().sequence_parallel = True

@@ -103,21 +103,27 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
     return out
 
 
+def _responses(batch: dict[str, Any]) -> torch.Tensor:
+    """[n, T] bool: the label positions of response tokens whose log-probs the step needs
+    (``select_mask`` when the batch has one: every response, for the metrics; else ``mask``)."""
+    return batch.get("select_mask", batch["mask"]) != 0
+
+
 def _prompt_lens(shard: dict[str, Any], lengths: list[int]) -> list[int]:
-    """Each sequence's prompt length: up to its first response label position (``select_mask``
-    when the batch has one, else ``mask``); a sequence without one counts as all prompt but its
-    last token, so it shares only with an identical sequence."""
-    mask = shard.get("select_mask", shard["mask"]) != 0
+    """Each sequence's prompt length: up to its first response label position (``_responses``);
+    a sequence without one counts as all prompt but its last token, so it shares only with an
+    identical sequence."""
+    mask = _responses(shard)
     first = mask.float().argmax(dim=1)
     return [int(f) + 1 if m else n - 1 for f, m, n in zip(first, mask.any(dim=1), lengths, strict=True)]
 
 
 def _select_labels(mb: dict[str, Any], plan, labels: torch.Tensor) -> None:
-    """Marks the label positions whose log-probs the step needs: response tokens (``select_mask``
-    when the batch has one, else ``mask``). The model then computes logits there only; the
-    results come back at the same [b, T] places, 0 elsewhere (see ``_label_stats``). ``labels``
-    [b, T] are each sequence's next tokens (a shared prompt's last column has several)."""
-    keep = mb["valid"] & (mb.get("select_mask", mb["mask"]) != 0)
+    """Marks the label positions whose log-probs the step needs (``_responses``). The model then
+    computes logits there only; the results come back at the same [b, T] places, 0 elsewhere
+    (see ``_label_stats``). ``labels`` [b, T] are each sequence's next tokens (a shared prompt's
+    last column has several)."""
+    keep = mb["valid"] & _responses(mb)
     if not keep.any():  # nothing needed: compute one position (shared rows have no other path) and zero it
         keep = torch.zeros_like(keep)
         keep[0, 0] = True
