@@ -22,13 +22,25 @@ def _zeros_like_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[B]`` -> ``[B // group_size, group_size]`` (float), with a clear error when B does not divide."""
+    """``[B]`` -> ``[B // group_size, group_size]`` (float), with a clear error when B does not
+    divide or a score is not finite (one NaN or inf would turn its whole group's advantages into NaN)."""
     if scores.dim() != 1:
         raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
     if group_size < 1 or scores.numel() % group_size != 0:
         raise ValueError(f"batch of {scores.numel()} scores does not split into groups of {group_size}")
     s = scores if scores.is_floating_point() else scores.float()
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError(f"scores must be finite, got {s[~torch.isfinite(s)].unique().tolist()}")
     return s.view(-1, group_size)
+
+
+def _centred(g: torch.Tensor) -> torch.Tensor:
+    """``g - mean`` per row, in at least float32, computed from ``g - g[:, :1]``: a row of equal
+    values then gives exact zeros. Subtracting the rounded mean directly does not (eight fp32
+    scores of 0.7 have a mean 6e-8 off, which the division by ``std + eps`` turns into 0.056)."""
+    d = g.to(torch.promote_types(g.dtype, torch.float32))
+    d = d - d[:, :1]
+    return d - d.mean(dim=1, keepdim=True)
 
 
 @torch.no_grad()
@@ -124,10 +136,12 @@ def grpo_advantages(
     Broadcast over tokens with :func:`broadcast`.
     """
     g = _groups(scores, group_size)
-    centred = g - g.mean(dim=1, keepdim=True)
+    centred = _centred(g)
     if norm_std and group_size > 1:
-        centred = centred / (g.std(dim=1, keepdim=True, correction=1) + eps)
-    return centred.reshape(-1)
+        # std from the exact deviations: 0 for a group of equal scores, which keeps its zeros
+        std = (centred.square().sum(dim=1, keepdim=True) / (group_size - 1)).sqrt()
+        centred = centred / (std + eps)
+    return centred.to(g.dtype).reshape(-1)
 
 
 @torch.no_grad()
@@ -135,12 +149,13 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """REINFORCE leave-one-out advantages ``[B]``: ``A_i = s_i - mean_{j != i in group} s_j``.
 
     Equal to ``k / (k - 1) * (s_i - mean_g)`` for group size k; needs ``k >= 2``.
+    A group of identical scores gives 0.
     """
     if group_size < 2:
         raise ValueError(f"RLOO needs group_size >= 2, got {group_size}")
     g = _groups(scores, group_size)
-    others_mean = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
-    return (g - others_mean).reshape(-1)
+    # the identity above, on exact deviations (s_i - (sum - s_i) / (k - 1) leaves rounding noise)
+    return (_centred(g) * (group_size / (group_size - 1))).to(g.dtype).reshape(-1)
 
 
 @torch.no_grad()

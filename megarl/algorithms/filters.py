@@ -21,7 +21,8 @@ def dynamic_sampling_mask(
         raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
     if group_size < 1 or scores.numel() % group_size != 0:
         raise ValueError(f"batch of {scores.numel()} scores does not split into groups of {group_size}")
-    g = scores.detach().view(-1, group_size)
+    # as float: bool scores (pass/fail) cannot be subtracted, and min/max of ints is exact in float
+    g = (scores.detach() if scores.is_floating_point() else scores.detach().float()).view(-1, group_size)
     spread = g.amax(dim=1) - g.amin(dim=1)
     keep_group = spread > atol
     keep = keep_group.repeat_interleave(group_size)

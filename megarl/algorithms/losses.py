@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megarl.algorithms.kl import KLEstimator, kl_estimate
-from megarl.algorithms.masked import AggregationMode, aggregate, masked_mean, masked_var
+from megarl.algorithms.masked import AggregationMode, _zero_masked, aggregate, masked_mean, masked_var
 
 
 def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -55,18 +55,18 @@ def policy_loss(
     tokens with ``A < 0`` where the dual bound is the loss, ``-A * c < max(pg1, pg2)``),
     ``approx_kl`` (k3 estimate of ``KL(pi_old || pi)`` from tokens sampled by
     pi_old: ``mean(ratio - 1 - log ratio)``, >= 0), ``ratio_mean``, ``ratio_max``
-    (over valid tokens).
+    (over valid tokens; every metric is 0 when there is none).
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    adv = adv.detach()
     valid = mask.bool()
+    # padding advantages to 0: NaN there would give NaN * 0 = NaN in the backward of -A * ratio
+    adv = _zero_masked(adv.detach().expand(valid.shape), valid)
     # 0 on padding *before* exp: garbage padding log-probs must not overflow (inf * 0 = NaN in backward).
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), torch.zeros((), dtype=logprobs.dtype,
-                                                                                 device=logprobs.device))
+    log_ratio = _zero_masked(logprobs - old_logprobs.detach(), valid)
     ratio = torch.exp(log_ratio)
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -76,17 +76,19 @@ def policy_loss(
     if dual_clip is not None:
         bound = -adv * dual_clip
         dual = (adv < 0) & (bound < loss_tokens)
-        loss_tokens = torch.where(dual, bound.expand_as(loss_tokens), loss_tokens)
+        loss_tokens = torch.where(dual, bound, loss_tokens)
     loss = aggregate(loss_tokens, mask, aggregation, norm_len=norm_len, denom=denom)
 
     with torch.no_grad():
-        neg_inf = torch.full((), float("-inf"), dtype=ratio.dtype, device=ratio.device)
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
         metrics = {
             "clip_fraction": _fraction(clipped, mask),
             "dual_clip_fraction": _fraction(dual, mask),
             "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).detach(),
             "ratio_mean": masked_mean(ratio, mask).detach(),
-            "ratio_max": torch.where(valid, ratio, neg_inf).max().detach(),
+            # ratios are > 0, so a 0 fill leaves the max of a non-empty batch as it is and
+            # makes an empty one 0 like the other metrics (not -inf)
+            "ratio_max": torch.where(valid, ratio, zero).max().detach(),
         }
     return loss, metrics
 
@@ -115,13 +117,16 @@ def value_loss(
     """
     if clip is not None and clip <= 0:
         raise ValueError(f"value clip must be > 0, got {clip}")
-    returns = returns.detach()
+    # padding to 0 before any arithmetic: the gradient of (NaN - R)^2 is NaN even though
+    # aggregate() drops its value (NaN * 0 = NaN)
+    values = _zero_masked(values, mask)
+    returns = _zero_masked(returns.detach(), mask)
     unclipped = (values - returns).square()
     clipped_frac = torch.zeros((), dtype=values.dtype, device=values.device)
     if clip is None:
         loss_tokens = 0.5 * unclipped
     else:
-        old = old_values.detach()
+        old = _zero_masked(old_values.detach(), mask)
         v_clip = old + (values - old).clamp(-clip, clip)
         clipped_sq = (v_clip - returns).square()
         loss_tokens = 0.5 * torch.maximum(unclipped, clipped_sq)
@@ -172,7 +177,7 @@ def kl_loss(
     (GRPO's choice) and k2 give useful gradients; k1's expected gradient is 0
     (see :mod:`megarl.algorithms.kl`).
     """
-    ref = ref_logprobs.detach()
-    # padding reads as "policy == reference" (KL 0), so garbage there cannot overflow into NaN gradients
-    kl = kl_estimate(torch.where(mask.bool(), logprobs, ref), ref, estimator, clamp)
+    # padding reads as "policy == reference == 0" (KL 0), so garbage in either cannot reach a gradient
+    ref = _zero_masked(ref_logprobs.detach(), mask)
+    kl = kl_estimate(_zero_masked(logprobs, mask), ref, estimator, clamp)
     return aggregate(kl, mask, aggregation, norm_len=norm_len, denom=denom)

@@ -45,18 +45,41 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (masked_sum(x, mask, dim) / _count(mask, x, dim).clamp(min=1.0)).to(x.dtype)
 
 
+def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with its masked positions replaced by 0. Done *before* any arithmetic: ``NaN * 0`` is
+    NaN, and so is the gradient of ``(NaN - m)^2`` even where a later ``where`` drops its value."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _shifted(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x - ref, ref)`` with ``ref`` the first valid element (0 when there is none, detached) and
+    masked positions 0. Moments of the shifted values are the same, but a constant input shifts to
+    exact zeros: its deviations from the mean are then exactly 0 in any dtype, where
+    ``x - mean(x)`` leaves rounding noise (eight fp32 0.7 have a mean 6e-8 off) that a division
+    by a near-zero spread blows up."""
+    valid = mask.bool().expand_as(x)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return x.clone(), zero
+    flat = valid.reshape(-1)
+    first = flat.to(torch.uint8).argmax()  # index of the first valid element (0 when none)
+    ref = torch.where(flat.any(), x.detach().reshape(-1)[first], zero)  # no host sync
+    return _zero_masked(x - ref, valid), ref
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of the valid elements of ``x`` (over all of them, a 0-dim tensor).
 
     ``var = sum(mask * (x - mean)^2) / (n - 1)`` with ``n = sum(mask)`` when
     ``unbiased`` (Bessel's correction, the default, as ``torch.var``), else
     divided by ``n``. With ``n <= 1`` (unbiased) or ``n == 0`` the divisor is
-    clamped to 1, which gives 0.
+    clamped to 1, which gives 0. Valid elements that are all equal give exactly 0.
     """
-    mean = masked_mean(x, mask)
+    shifted, _ = _shifted(x, mask)
     n = _count(mask, x)
     divisor = n - 1.0 if unbiased else n
-    return (masked_sum((x - mean) ** 2, mask) / divisor.clamp(min=1.0)).to(x.dtype)
+    deviation = shifted - masked_mean(shifted, mask)
+    return (masked_sum(deviation.square(), mask) / divisor.clamp(min=1.0)).to(x.dtype)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
@@ -65,14 +88,16 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     ``(x - mean) / sqrt(var + eps)``, with mean and *unbiased* variance
     (:func:`masked_var`) over all valid tokens. With ``shift_mean=False`` the
     mean is added back: only the scale changes, ``mean + (x - mean) / sqrt(var + eps)``.
+    Valid elements that are all equal give exactly 0 (``x`` itself with ``shift_mean=False``).
     Masked positions of the result are 0.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    shifted, ref = _shifted(x, mask)
+    mean = masked_mean(shifted, mask)
+    var = masked_var(shifted, mask, unbiased=True)
+    out = (shifted - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
-        out = out + mean
-    return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        out = out + (mean + ref)
+    return _zero_masked(out, mask)
 
 
 def aggregate(

@@ -47,7 +47,8 @@ def estimate(algo: AlgorithmConfig, scores: torch.Tensor, mask: torch.Tensor, gr
     if algo.kl_in_reward and ref_logprobs is not None:
         if old is None:
             raise ValueError("algorithm.kl_in_reward needs the actor's log-probs before the update")
-        kl = kl_estimate(old["logprobs"], ref_logprobs, estimator="k1") * mask
+        # where, not * mask: garbage log-probs at padding would survive as NaN (NaN * 0)
+        kl = torch.where(mask != 0, kl_estimate(old["logprobs"], ref_logprobs, estimator="k1"), 0.0)
     if algo.name == "grpo":
         out["advantages"] = broadcast(grpo_advantages(scores, group_size, norm_std=algo.norm_std), mask)
     elif algo.name == "rloo":

@@ -55,7 +55,7 @@ def train(cfg: RunConfig) -> list[dict]:
 
 def policy_batch(batch, est, old, ref, cfg) -> dict:
     out = {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "advantages": est["advantages"],
-           "denoms": denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
+           **denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
     if old is not None:
         out["old_logprobs"] = old["logprobs"]
     else:  # on-policy: the update returns log-probs and entropy at every response token, for the metrics
@@ -68,20 +68,25 @@ def policy_batch(batch, est, old, ref, cfg) -> dict:
 def value_batch(batch, est, values, cfg) -> dict:
     return {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "old_values": values,
             "returns": est["returns"],
-            "denoms": denominators(est["mask"], cfg, cfg.critic.parallel.data_parallel_size)}
+            **denominators(est["mask"], cfg, cfg.critic.parallel.data_parallel_size)}
 
 
-def denominators(mask, cfg, dp: int) -> list[float]:
-    """Each minibatch's global normaliser (its response tokens, or its sequences). Ranks split
-    the batch over data-parallel shards first, then each shard into minibatches: minibatch m
-    is the m-th slice of every shard."""
+def denominators(mask: torch.Tensor, cfg: RunConfig, dp: int) -> dict:
+    """The loss normalisers the ranks pass to ``aggregate``: ``denoms``, each minibatch's global
+    normaliser (its response tokens for "token-mean", else its sequences with a response token),
+    and ``norm_len``, the constant per-sequence divisor of "seq-mean-token-sum" (Dr.GRPO: the
+    generation budget ``rollout.max_tokens``; None for the other modes, which do not use it).
+    Ranks split the batch over data-parallel shards first, then each shard into minibatches:
+    minibatch m is the m-th slice of every shard."""
+    aggregation = cfg.algorithm.aggregation
     minibatches = cfg.algorithm.minibatches
     out = []
     for m in range(minibatches):
-        part = torch.cat([shard.chunk(minibatches)[m] for shard in mask.chunk(dp)])
-        count = part.sum() if cfg.algorithm.aggregation == "token-mean" else (part.sum(1) > 0).sum()
+        part = torch.cat([shard.chunk(minibatches)[m] for shard in mask.chunk(dp)]) != 0
+        count = part.sum() if aggregation == "token-mean" else part.any(dim=1).sum()
         out.append(max(float(count), 1.0))
-    return out
+    norm_len = float(cfg.rollout.max_tokens) if aggregation == "seq-mean-token-sum" else None
+    return {"denoms": out, "norm_len": norm_len}
 
 
 def timing(run: Run, batch, step_seconds: float) -> dict[str, float]:

@@ -369,7 +369,8 @@ def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro
             lp, ent = _label_stats(logits, mb, vocab, entropy=True)
         else:
             lp = _label_stats(logits, mb, vocab)
-        common = {"aggregation": algo["aggregation"], "denom": mb["denom"]}
+        # norm_len: "seq-mean-token-sum"'s constant divisor (Dr.GRPO), from the driver's denominators()
+        common = {"aggregation": algo["aggregation"], "denom": mb["denom"], "norm_len": mb.get("norm_len")}
         old = lp.detach() if on_policy else mb["old_logprobs"]
         loss, metrics = policy_loss(lp, old, mb["advantages"], mask, clip_low=algo["clip_low"],
                                     clip_high=algo["clip_high"], dual_clip=algo["dual_clip"], **common)
@@ -381,7 +382,7 @@ def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro
             loss = loss + algo["kl_coef"] * kl
             out["kl_loss"] = kl.detach()
         if with_entropy:
-            ent = aggregate(ent, mask, mode=algo["aggregation"], denom=mb["denom"])
+            ent = aggregate(ent, mask, mode=common["aggregation"], norm_len=common["norm_len"], denom=mb["denom"])
             loss = loss - algo["entropy_coef"] * ent
             out["entropy"] = ent.detach()
         weight = _share(mb, algo["aggregation"])
@@ -403,7 +404,8 @@ def train_value(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_
     def loss_fn(output, mb):
         values = _per_label(rows_output(output, mb["inputs"])[:, :-1, 0], mb).float()
         loss, metrics = value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
-                                   clip=algo["value_clip"], aggregation=algo["aggregation"], denom=mb["denom"])
+                                   clip=algo["value_clip"], aggregation=algo["aggregation"], denom=mb["denom"],
+                                   norm_len=mb.get("norm_len"))
         weight = _share(mb, algo["aggregation"])
         return loss * mb["scale"], {"value_loss": loss.detach(),
                                     "value_clip_fraction": metrics["clip_fraction"] * weight}
