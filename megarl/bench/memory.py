@@ -9,8 +9,18 @@ training step of one micro-batch and measures, on one rank of every pipeline sta
 - gradients: bytes of DDP's grad buffers (the ``main_grad`` storage);
 - optimizer: bytes of the optimizer's state (Adam moments) and of any main parameters
   that are not the model's own storage (fp32 copies of bf16 weights);
-- activations: bytes of the distinct storages autograd saved for backward during the
-  step (``torch.autograd.graph.saved_tensors_hooks``), parameters and DDP buffers excluded.
+- activations: the peak over the step of the bytes of the distinct storages autograd holds
+  for backward (``torch.autograd.graph.saved_tensors_hooks``; a storage counts from when it is
+  first saved until it is freed), parameters and DDP buffers excluded. Under full recompute
+  it is the larger of the checkpointed inputs with the head at the end of forward, and the
+  checkpointed inputs with the unit that backward reruns (the hooks see the rerun too).
+
+Optimizer CPU offload has no rows: on CPU ranks every optimizer state is host memory already,
+and megatron-core 0.16.1 does not build its hybrid optimizer there (the precision-aware path it
+runs on asks for Transformer Engine's version, None here; without that path the distributed
+optimizer hands it main-parameter shards that torch.optim refuses as non-leaf tensors). megarl
+leaves it off on CPU (``megarl.models.train.offload_kwargs``); the planner's offload model is
+arithmetic on the optimizer shard that the rows above measure.
 
 It prints the planner's estimate (``megarl.plan.memory.trained_rank`` with the
 ``sdpa`` attention of the CPU local spec) next to each, the ratio, and PASS when the
@@ -25,6 +35,7 @@ from dataclasses import asdict, dataclass
 from megarl.models.hf_arch import ModelArch, RopeConfig
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations")
+SELECTIVE_MODULES = ("core_attn", "mlp")  # what the selective-recompute case recomputes
 
 
 def bench_arch(name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -60,6 +71,8 @@ class Case:
     dtype: str = "float32"
     micro_batch: int = 2
     seq_len: int = 128
+    recompute: str = "none"  # none | selective | full (uniform, recompute_layers per unit) | block
+    recompute_layers: int = 1
 
     @property
     def dp(self) -> int:
@@ -67,7 +80,19 @@ class Case:
 
     def label(self) -> str:
         extra = f" ep={self.ep}" if self.ep > 1 else ""
+        if self.recompute != "none":
+            extra += f" rc={self.recompute}" + (f"/{self.recompute_layers}" if self.recompute != "selective" else "")
         return f"{self.model} tp={self.tp} pp={self.pp} dp={self.dp}{extra} {self.dtype}"
+
+    def recompute_config(self):
+        from megarl.config.schema import RecomputeConfig
+
+        if self.recompute == "none":
+            return None
+        if self.recompute == "selective":
+            return RecomputeConfig("selective", modules=list(SELECTIVE_MODULES))
+        method = "block" if self.recompute == "block" else "uniform"
+        return RecomputeConfig("full", method=method, num_layers=self.recompute_layers)
 
 
 CASES = [
@@ -80,8 +105,12 @@ CASES = [
     Case("small", pp=4, world=8, dtype="bfloat16"),
     Case("100m", tp=8, world=8),
     Case("tiny", world=8),
+    # activation recompute (``--only rc=``)
+    Case("small", world=2, dtype="bfloat16", recompute="full", recompute_layers=1),
+    Case("small", world=2, dtype="bfloat16", recompute="full", recompute_layers=2),
+    Case("small", world=2, dtype="bfloat16", recompute="block", recompute_layers=4),
+    Case("small", world=2, dtype="bfloat16", recompute="selective"),
 ]
-
 QUICK_CASES = [Case("tiny", tp=2, world=2), Case("small", pp=2, world=2, dtype="bfloat16")]
 
 
@@ -90,8 +119,10 @@ def _storage_ptr(t) -> int:
 
 
 def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_batch: int,
-                 seq_len: int) -> dict | None:
+                 seq_len: int, recompute=None) -> dict | None:
     """On every rank of an SpmdPool: build, step once, measure. Returns one rank per pipeline stage."""
+    import weakref
+
     import torch
 
     from megarl.config.schema import OptimizerConfig, ParallelConfig, PrecisionConfig
@@ -102,7 +133,7 @@ def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_b
     world = torch.distributed.get_world_size()
     par = ParallelConfig(tp=tp, pp=pp, ep=ep, world_size=world)
     with megatron_parallel(par) as info:
-        spec = ModelSpec(arch, par, PrecisionConfig(dtype))
+        spec = ModelSpec(arch, par, PrecisionConfig(dtype), recompute=recompute)
         chunks = wrap_ddp(build_model_chunks(spec), use_distributed_optimizer=True)
         optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-4, use_distributed_optimizer=True))
         params = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
@@ -113,12 +144,23 @@ def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_b
             if buf.param_data is not None:
                 model_storage.add(_storage_ptr(buf.param_data))
 
-        saved: dict[int, object] = {}
+        # Live bytes of saved storages: counted when first saved, uncounted when freed. A weak
+        # finalizer, not a reference, so that backward (and recompute) frees them as it would.
+        live = {"now": 0, "peak": 0}
+        tracked: set[int] = set()
+
+        def freed(ptr: int, nbytes: int) -> None:
+            tracked.discard(ptr)
+            live["now"] -= nbytes
 
         def pack(t):
-            ptr = _storage_ptr(t)
-            if ptr and ptr not in model_storage and ptr not in saved:
-                saved[ptr] = t  # held until the step ends, so no later tensor reuses the address
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in model_storage and ptr not in tracked:
+                tracked.add(ptr)
+                live["now"] += storage.nbytes()
+                live["peak"] = max(live["peak"], live["now"])
+                weakref.finalize(storage, freed, ptr, storage.nbytes())
             return t
 
         gen = torch.Generator().manual_seed(info.dp_rank)
@@ -127,23 +169,10 @@ def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_b
                  "loss_mask": torch.ones(micro_batch, seq_len)}
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             train_step(chunks, optimizer, [batch], lm_loss_fn(arch.vocab_size), logits_forward)
-        activations = sum(t.untyped_storage().nbytes() for t in saved.values())
-        saved.clear()
+        activations = live["peak"]
 
         inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-        opt_bytes, seen = 0, set()
-        for opt in inner:
-            for state in opt.optimizer.state.values():
-                for value in state.values():
-                    if torch.is_tensor(value) and value.numel() > 1 and _storage_ptr(value) not in seen:
-                        seen.add(_storage_ptr(value))
-                        opt_bytes += value.untyped_storage().nbytes()
-            for group in opt.optimizer.param_groups:
-                for p in group["params"]:
-                    ptr = _storage_ptr(p)
-                    if ptr not in model_storage and ptr not in seen:  # fp32 main copies of bf16 weights
-                        seen.add(ptr)
-                        opt_bytes += p.untyped_storage().nbytes()
+        opt_bytes = _optimizer_bytes([opt.optimizer for opt in inner], model_storage)
         result = {
             "stage": info.pp_rank,
             "weights": sum(p.numel() * p.element_size() for p in params),
@@ -157,11 +186,35 @@ def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_b
         return None
 
 
+def _optimizer_bytes(optimizers: list, model_storage: set[int]) -> int:
+    """Bytes of the optimizers' state tensors and of main parameters that are not model storage."""
+    import torch
+
+    total, seen = 0, set()
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.numel() > 1 and _storage_ptr(value) not in seen:
+                    seen.add(_storage_ptr(value))
+                    total += value.untyped_storage().nbytes()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptr = _storage_ptr(p)
+                if ptr not in model_storage and ptr not in seen:  # fp32 main copies of bf16 weights
+                    seen.add(ptr)
+                    total += p.untyped_storage().nbytes()
+    return total
+
+
 def estimate(case: Case, stage: int) -> dict[str, float]:
     from megarl.plan.memory import Layout, Workload, trained_rank
 
     layout = Layout(tp=case.tp, pp=case.pp, dp=case.dp, ep=case.ep)
-    work = Workload(dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len, attention="sdpa")
+    method = "block" if case.recompute == "block" else "uniform"
+    work = Workload(dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len, attention="sdpa",
+                    recompute="full" if case.recompute == "block" else case.recompute,
+                    recompute_method=method, recompute_layers=case.recompute_layers,
+                    recompute_modules=SELECTIVE_MODULES)
     rank = trained_rank(MODELS[case.model], layout, work, stage, microbatches=1)
     return {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
             "activations": rank.activations_per_microbatch}
@@ -190,7 +243,8 @@ def run_memory_bench(cases: list[Case], tolerance: float = 0.15, progress=print)
             for case in (c for c in cases if c.world == world):
                 progress(f"  {case.label()}")
                 results = pool.run(measure_rank, arch=MODELS[case.model], tp=case.tp, pp=case.pp, ep=case.ep,
-                                   dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len)
+                                   dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len,
+                                   recompute=case.recompute_config())
                 for measured in sorted((r for r in results if r), key=lambda r: r["stage"]):
                     rows += compare(case, measured, tolerance)
     return rows
@@ -199,10 +253,10 @@ def run_memory_bench(cases: list[Case], tolerance: float = 0.15, progress=print)
 def format_table(rows: list[dict], tolerance: float) -> str:
     lines = [f"planner memory model vs megatron-core measured, per rank (tolerance {tolerance:.0%}); "
              "activations = saved for backward in one micro-batch",
-             f"{'case':<34} {'stage':>5} {'component':<12} {'measured MiB':>13} {'model MiB':>10} "
+             f"{'case':<50} {'stage':>5} {'component':<14} {'measured MiB':>13} {'model MiB':>10} "
              f"{'model/meas':>10}  result"]
     for r in rows:
-        lines.append(f"{r['case']:<34} {r['stage']:>5} {r['component']:<12} {r['measured'] / 2**20:>13.3f} "
+        lines.append(f"{r['case']:<50} {r['stage']:>5} {r['component']:<14} {r['measured'] / 2**20:>13.3f} "
                      f"{r['model'] / 2**20:>10.3f} {r['ratio']:>10.3f}  {'PASS' if r['ok'] else 'FAIL'}")
     failed = sum(not r["ok"] for r in rows)
     lines.append(f"{len(rows) - failed}/{len(rows)} within {tolerance:.0%}" + (f"; {failed} FAIL" if failed else ""))
@@ -223,6 +277,8 @@ def add_parser(bench_sub) -> None:
                     "optimizer state and activations saved for backward next to the planner's estimate, the ratio "
                     "and PASS/FAIL against the tolerance. About 4 minutes on 2 cores (--quick: about 40 s).")
     p.add_argument("--quick", action="store_true", help="two 2-rank cases only")
+    p.add_argument("--only", metavar="TEXT[,TEXT]", help="only the cases whose label contains one of the "
+                   "comma-separated TEXTs (e.g. 'rc=,moe')")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed |model/measured - 1| (default 0.15)")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of the table")
     p.set_defaults(run=_run_cmd)
@@ -232,6 +288,9 @@ def _run_cmd(args) -> int:
     import sys
 
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    rows = run_memory_bench(QUICK_CASES if args.quick else CASES, args.tolerance, progress)
+    cases = QUICK_CASES if args.quick else CASES
+    if args.only:
+        cases = [c for c in cases if any(text in c.label() for text in args.only.split(","))]
+    rows = run_memory_bench(cases, args.tolerance, progress)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows, args.tolerance), flush=True)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -19,6 +19,10 @@ used are printed and can be overridden. With a recipe YAML and no --gpus it chec
 recipe's own layouts. Exit code 2 when nothing fits, with how much memory is missing."""
 
 
+EFFICIENCY_FLAGS = ("--train-mfu", "--prefill-mfu", "--hbm-efficiency", "--link-efficiency", "--overhead-gib",
+                    "--decode-step-ms", "--moe-mfu-factor", "--cpu-adam-params-per-s")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="propose layouts and a placement that fit the GPUs",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,7 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--prompts", type=int, default=256, help="prompts per step (default 256)")
     w.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
     w.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
-    w.add_argument("--response-len", type=int, default=2048, help="response tokens (default 2048)")
+    w.add_argument("--response-len", type=int, default=2048, help="longest response, tokens (default 2048): "
+                   "memory holds it and generation runs until it ends")
+    w.add_argument("--mean-response-len", type=float, help="mean response, tokens (default: the longest); "
+                   "packed training and scoring compute over it, and it sets how fast generation's batch thins")
+    w.add_argument("--minibatches", type=int, default=1, help="optimizer steps per step (default 1)")
     w.add_argument("--micro-batch", type=int, default=1, help="training micro-batch, sequences (default 1)")
     w.add_argument("--max-num-seqs", type=int, default=256, help="vLLM concurrent sequences per engine (256)")
     h = p.add_argument_group("hardware and efficiency overrides (defaults: the --gpu datasheet)")
@@ -43,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        ("--interconnect-gbps", "interconnect_gbps"), ("--pcie-gbps", "pcie_gbps")):
         h.add_argument(flag, dest=dest, type=float)
     h.add_argument("--gpus-per-node", dest="gpus_per_node", type=int)
-    for flag in ("--train-mfu", "--prefill-mfu", "--hbm-efficiency", "--link-efficiency", "--overhead-gib"):
+    for flag in EFFICIENCY_FLAGS:
         h.add_argument(flag, type=float)
     p.set_defaults(handler=main)
 
@@ -77,8 +85,8 @@ def main(args: argparse.Namespace) -> int:
     gpu = gpu_spec(args.gpu, **{k: getattr(args, k) for k in ("memory_gib", "bf16_tflops", "hbm_gbps",
                                                               "nvlink_gbps", "interconnect_gbps", "pcie_gbps",
                                                               "gpus_per_node")})
-    eff = replace(Efficiency(), **{k: v for k in ("train_mfu", "prefill_mfu", "hbm_efficiency", "link_efficiency",
-                                                  "overhead_gib") if (v := getattr(args, k)) is not None})
+    keys = [f[2:].replace("-", "_") for f in EFFICIENCY_FLAGS]
+    eff = replace(Efficiency(), **{k: v for k in keys if (v := getattr(args, k)) is not None})
     try:
         arch, recipe = _model(args.model)
         if recipe is not None and args.gpus is None:
@@ -93,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
             rl = replace(rl_shape(recipe), algo=args.algo or rl_shape(recipe).algo)
         else:
             rl = RLShape(algo=args.algo or "grpo", prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
-                         response_len=args.response_len)
+                         response_len=args.response_len, mean_response_len=args.mean_response_len,
+                         minibatches=args.minibatches)
         if not args.gpus or args.gpus < 1:
             raise ConfigError("--gpus N (>= 1) is needed to plan a model")
         inputs = PlanInputs(gpu, rl, eff, micro_batch=args.micro_batch, max_num_seqs=args.max_num_seqs)

@@ -72,6 +72,33 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     warmup_steps: int = 0  # linear warm-up of the learning rate, in optimizer steps
     use_distributed_optimizer: bool = True
+    # megatron-core's HybridDeviceOptimizer: Adam's state and update for ``offload_fraction`` of
+    # this rank's (distributed-optimizer) shard live and run on the host; needs the distributed
+    # optimizer. Frees up to 12 bytes per offloaded bf16 parameter of device memory for a
+    # host<->device copy of gradients and parameters every step.
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0  # of the optimizer state, when cpu_offload
+
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts")
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recompute, as megatron-core's TransformerConfig takes it.
+
+    ``selective`` recomputes ``modules`` (default: the attention core) of every layer in
+    backward; ``full`` keeps only each recomputed unit's input and reruns the whole unit:
+    ``uniform`` splits each stage's layers into units of ``num_layers``, ``block`` recomputes
+    the first ``num_layers`` layers of each stage and keeps the rest.
+    """
+
+    granularity: str = "none"  # none | selective | full
+    method: str = "uniform"  # full only: uniform | block
+    num_layers: int = 1  # full only: layers per unit (uniform) or layers recomputed per stage (block)
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective only
 
 
 @dataclass
@@ -80,6 +107,7 @@ class RoleConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)  # trained roles only
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # trained roles only
     micro_batch_size: int = 8  # sequences per forward/backward micro-batch
     # Micro-batches by token budget: each holds at most this many token positions (rows x
     # longest sequence, padding included), cut to its longest sequence, so short sequences

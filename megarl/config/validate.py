@@ -6,6 +6,7 @@ import math
 
 from megarl.config.loader import ConfigError
 from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, ParallelConfig, PrecisionConfig, RunConfig
+from megarl.config.validate_memory import memory_saver_errors
 from megarl.models.hf_arch import ArchError, ModelArch
 from megarl.platform import Platform, current_platform
 
@@ -159,6 +160,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += parallel_errors(arch, role.parallel, f"{name}.parallel")
         errors += precision_errors(role.precision, f"{name}.precision", platform)
         errors += batching_errors(cfg, name, arch, platform)
+        errors += memory_saver_errors(arch, role, name)  # recompute, optimizer CPU offload
         if role.model.vocab_pad_multiple < 1:
             errors.append(f"{name}.model.vocab_pad_multiple must be >= 1")
     if "actor" in archs and not errors:  # the RL checks assume sane layouts (dp > 0)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megarl.config.schema import ParallelConfig, PrecisionConfig
+from megarl.config.schema import ParallelConfig, PrecisionConfig, RecomputeConfig
 from megarl.config.validate import padded_vocab_size
 from megarl.models.hf_arch import ModelArch
 from megarl.models.value_head import ValueHead
@@ -32,6 +32,7 @@ class ModelSpec:
     value_head: bool = False
     # A checkpoint fixes its padded vocab; it is reused at any layout whose tp divides it.
     padded_vocab_override: int | None = None
+    recompute: RecomputeConfig | None = None  # activation recompute in training (None: none)
 
     @property
     def padded_vocab(self) -> int:
@@ -44,13 +45,22 @@ class ModelSpec:
         return TORCH_DTYPES[self.precision.dtype]
 
 
+def recompute_kwargs(rc: RecomputeConfig | None) -> dict:
+    """megatron-core's TransformerConfig fields for a role's ``recompute`` section."""
+    if rc is None or rc.granularity == "none":
+        return {}
+    if rc.granularity == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": list(rc.modules)}
+    return {"recompute_granularity": "full", "recompute_method": rc.method, "recompute_num_layers": rc.num_layers}
+
+
 def transformer_config(spec: ModelSpec):
     from megatron.core.transformer import TransformerConfig
 
     arch, par, prec = spec.arch, spec.parallel, spec.precision
     dtype = spec.params_dtype
     platform = current_platform()
-    kwargs = {}
+    kwargs = recompute_kwargs(spec.recompute)
     if arch.is_moe:
         kwargs.update(
             num_moe_experts=arch.num_experts,

@@ -57,9 +57,33 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig | dict[str, Any]):
             clip_grad=cfg.clip_grad, bf16=config.bf16, fp16=config.fp16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
+            **offload_kwargs(cfg),
         ),
         ddp_chunks,
     )
+
+
+def offload_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    """megatron-core's optimizer CPU offload fields for a role's ``optim`` section.
+
+    megatron-core's HybridDeviceOptimizer keeps ``offload_fraction`` of the distributed optimizer's
+    shard (fp32 main parameters and Adam moments) on the host and steps it there with torch's CPU
+    Adam. It runs on the precision-aware optimizer's code path, as Megatron-LM sets them together:
+    the hybrid optimizer then holds the fp32 main copies itself (on the host for the offloaded
+    part) instead of the distributed optimizer keeping all of them on the device.
+
+    On the CPU platform there is no device memory to free and megatron-core 0.16.1 cannot build
+    it (the precision-aware path asks for Transformer Engine's version; without it the hybrid
+    optimizer is handed shards torch.optim refuses as non-leaf tensors): offload is left off.
+    """
+    from megarl.platform import current_platform
+
+    if not cfg.cpu_offload or not current_platform().is_gpu:
+        return {}
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": cfg.offload_fraction,
+            "use_precision_aware_optimizer": True,
+            # the overlap builds one CPU optimizer per parameter and CUDA streams; plain is enough
+            "overlap_cpu_optimizer_d2h_h2d": False}
 
 
 def train_step(ddp_chunks: list, optimizer, microbatches: list[dict[str, torch.Tensor]],

@@ -12,12 +12,18 @@ The model counts what megarl's megatron-core setup allocates (``megarl.models.gp
   starts at a multiple of 64 elements, each bucket ends at a multiple of lcm(dp, 128)).
 - optimizer: Adam's two fp32 moments, plus fp32 main parameters when the model is
   bf16/fp16; the distributed optimizer shards all of it over the data-parallel ranks
-  (expert parameters over the expert-data-parallel ranks).
+  (expert parameters over the expert-data-parallel ranks). With optimizer CPU offload
+  (megatron-core's HybridDeviceOptimizer) ``offload_fraction`` of that shard lives on the
+  host (``optimizer_host``, not counted against the GPU).
 - activations: tensors saved for backward in one micro-batch, per layer, for the
   attention implementation in use (``flash``: Transformer Engine on GPU; ``sdpa``: the
   CPU local spec with torch's fused kernel; ``unfused``: megatron-core's own local
   attention, which keeps the s x s softmax), times the
-  micro-batches a 1F1B pipeline keeps in flight on its first stage.
+  micro-batches a 1F1B pipeline keeps in flight on its first stage. Recompute as
+  megatron-core runs it: ``selective`` drops what the recomputed modules saved (their
+  inputs stay); ``full`` keeps each recomputed unit's input only, plus one unit's full
+  activations while backward recomputes it (``uniform``: units of ``recompute_layers``
+  layers; ``block``: the first ``recompute_layers`` layers of a stage, the rest kept).
 
 ``megarl bench memory`` measures the same quantities on real megatron-core models.
 """
@@ -25,7 +31,7 @@ The model counts what megarl's megatron-core setup allocates (``megarl.models.gp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megarl.models.hf_arch import ModelArch
 
@@ -77,9 +83,13 @@ class Workload:
     dtype: str = "bfloat16"
     micro_batch: int = 1
     seq_len: int = 4096
-    recompute: str = "none"  # none | selective (attention core) | full (each layer's input only)
+    recompute: str = "none"  # none | selective (recompute_modules) | full (units' inputs only)
     attention: str = "flash"  # flash (TE, GPU) | sdpa (local spec + torch SDPA: CPU) | unfused (local spec)
     distributed_optimizer: bool = True
+    recompute_method: str = "uniform"  # full: uniform | block
+    recompute_layers: int = 1  # full: layers per unit (uniform) or recomputed layers per stage (block)
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # selective
+    offload_fraction: float = 0.0  # of the optimizer shard kept on the host (0: no offload)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -190,19 +200,17 @@ def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload) -> f
     heads = arch.num_heads // tp
     if work.recompute == "full":
         return t * h / sp * e  # only the layer's input; the rest is recomputed in backward
-    if arch.is_moe:
-        # router logits (fp32) and, per routed copy of a token, fc1 input/outputs and fc2 input
-        topk = arch.moe_topk or 1
-        mlp = t * arch.num_experts * 4 + t * topk * (h + 5 * arch.ffn_hidden_size // tp) * e
-    else:
-        mlp = t * 5 * arch.ffn_hidden_size // tp * e  # fc1 out (2 ffn), silu out, up half, fc2 in
+    selective = work.recompute_modules if work.recompute == "selective" else ()
+    mlp = _mlp_activation_bytes(arch, layout, work, t)
+    if {"mlp", "moe"} & set(selective):
+        mlp = 0  # the recomputed MLP keeps only its input, which the norm's output term counts
     if work.attention == "unfused":
         # megatron-core's local spec (CPU): torch RMSNorm keeps its fp32 input, normalised
         # value and 1/rms; the linear keeps its input; k and v are expanded to every head;
         # the softmax keeps its fp32 output (and a copy in the model dtype for the bmm).
         norm = t * (8 * h + 4) + t * h * e
         attn = 4 * t * heads * d * e + s * s + 4 * s * d * e
-        if work.recompute != "selective":
+        if "core_attn" not in selective:
             attn += b * heads * s * s * (4 + (e if e != 4 else 0))
         return 2 * norm + attn + mlp
     if work.attention == "sdpa":
@@ -210,13 +218,31 @@ def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload) -> f
         # not expanded), its output and per-row log-sum-exp, the projection's input, RoPE
         norm = t * (8 * h + 4) + t * h * e
         kv_heads = max(1, arch.num_kv_heads // tp)
-        attn = (3 * heads + 2 * kv_heads) * t * d * e + b * heads * s * 4 + 4 * s * d * e
+        # a recomputed core keeps q, k, v (its inputs), not the log-sum-exp
+        lse = 0 if "core_attn" in selective else b * heads * s * 4
+        attn = (3 * heads + 2 * kv_heads) * t * d * e + lse + 4 * s * d * e
         return 2 * norm + attn + mlp
     # Transformer Engine: fused RMSNorm+linear keeps the norm input, 1/rms and its output;
     # flash attention keeps q, k, v (k, v not expanded), the output and the softmax stats.
     norm = t * h / sp * e * 2 + t * 4 / sp
-    attn = t * (arch.num_heads + 2 * arch.num_kv_heads) * d // tp * e + t * heads * d * e + b * heads * s * 4
+    lse = 0 if "core_attn" in selective else b * heads * s * 4
+    attn = t * (arch.num_heads + 2 * arch.num_kv_heads) * d // tp * e + t * heads * d * e + lse
     return 2 * norm + attn + mlp
+
+
+def _mlp_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, t: int) -> float:
+    """What one layer's MLP saves for backward (dense SwiGLU, or routed experts)."""
+    e, tp, h, ffn = work.elem, layout.tp, arch.hidden_size, arch.ffn_hidden_size
+    if not arch.is_moe:
+        return t * 5 * ffn // tp * e  # fc1 out (2 ffn), silu out, up half, fc2 in
+    # megatron-core's MoE layer with the all-to-all dispatcher (counted from the tensors autograd
+    # saves in ``megarl bench memory``'s moe case): router logits and scores (fp32); the permuted
+    # tokens (top-k copies of each) entering the experts; per routed token in an expert, fc1's
+    # output (2 ffn) and four ffn-wide tensors of the SwiGLU with the routing probability
+    # applied inside it (megatron-core's experts weigh by the probs before fc2)
+    topk = arch.moe_topk or 1
+    routed = t * topk
+    return t * arch.num_experts * 4 * 2 + routed * (h + 6 * ffn // tp) * e + routed * 4
 
 
 def head_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, pad_multiple: int = 128,
@@ -257,6 +283,7 @@ class RankMemory:
     activations_per_microbatch: float
     activations: float
     logits: float
+    optimizer_host: float = 0.0  # offloaded optimizer state, in host memory
 
     def memory(self) -> Memory:
         return Memory({"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
@@ -278,20 +305,50 @@ def trained_rank(arch: ModelArch, layout: Layout, work: Workload, stage: int, mi
         optimizer = per_param * (dense_buf / (layout.dp * layout.cp) + expert_buf / layout.expert_dp)
     else:
         optimizer = per_param * (sum(dense) + sum(expert))
+    # CPU offload: megatron-core's hybrid optimizer moves this fraction of the shard's main
+    # parameters and moments to the host (and steps them there)
+    host = optimizer * work.offload_fraction
+    optimizer -= host
     layers = stage_layer_counts(arch.num_layers, layout)[stage]
-    act = layers * layer_activation_bytes(arch, layout, work)
+    act = stage_layer_activation_bytes(arch, layout, work, layers)
     if stage == 0:
         act += work.micro_batch * work.seq_len // layout.cp * 8  # token ids kept by the embedding
     last = stage == layout.pp - 1
-    if last:
-        act += head_activation_bytes(arch, layout, work, pad_multiple, value_head)
-    if work.recompute == "full" and layers:
-        # backward recomputes one layer at a time: its full activations are live once
-        act += layer_activation_bytes(arch, layout, Workload(**{**work.__dict__, "recompute": "none"}))
+    head = head_activation_bytes(arch, layout, work, pad_multiple, value_head) if last else 0.0
+    # full uniform recompute reruns a unit in backward, after the head's backward has freed its part:
+    # the peak is the larger of the end of forward and the first recomputed unit
+    unit = _recompute_unit(arch, layout, work, layers)
+    act += max(head, unit)
     held = in_flight_microbatches(layout, stage, microbatches)
     logits = logits_transient_bytes(arch, layout, work, pad_multiple) if last and not value_head else 0.0
+    # in-flight micro-batches hold their saved tensors; only one unit is recomputed at a time
+    activations = act + (act - unit if unit > head else act) * (held - 1)
     return RankMemory(params=sum(dense) + sum(expert), weights=weights, gradients=(dense_buf + expert_buf) * 4,
-                      optimizer=optimizer, activations_per_microbatch=act, activations=act * held, logits=logits)
+                      optimizer=optimizer, activations_per_microbatch=act, activations=activations, logits=logits,
+                      optimizer_host=host)
+
+
+def _recompute_unit(arch: ModelArch, layout: Layout, work: Workload, layers: int) -> float:
+    """Activations of the unit full uniform recompute reruns in backward (0 otherwise: block's
+    recomputed layers come after the kept ones are freed, one layer at a time)."""
+    if work.recompute != "full" or work.recompute_method != "uniform" or not layers:
+        return 0.0
+    return min(work.recompute_layers, layers) * layer_activation_bytes(arch, layout, replace(work, recompute="none"))
+
+
+def stage_layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, layers: int) -> float:
+    """Peak bytes a stage's ``layers`` layers hold for backward in one micro-batch, with recompute."""
+    if work.recompute != "full" or not layers:
+        return layers * layer_activation_bytes(arch, layout, work)
+    unit_input = layer_activation_bytes(arch, layout, work)
+    n = min(work.recompute_layers, layers)
+    if work.recompute_method == "block":
+        # the first n layers keep their inputs, the rest everything; backward reaches the
+        # recomputed layers after freeing the kept ones, one layer at a time
+        kept = layer_activation_bytes(arch, layout, replace(work, recompute="none"))
+        return n * unit_input + max(layers - n, 1) * kept
+    # uniform: one input per unit of n layers (the recomputed unit: see trained_rank)
+    return -(-layers // n) * unit_input
 
 
 def trained_memory(arch: ModelArch, layout: Layout, work: Workload, microbatches: int = 1,
@@ -308,7 +365,7 @@ def inference_memory(arch: ModelArch, layout: Layout, work: Workload, value_head
         dense, expert = stage_tensors(arch, layout, stage, value_head)
         weights = (sum(dense) + sum(expert)) * work.elem
         # no graph is kept: about two layers' activations are live at a time
-        act = 2 * layer_activation_bytes(arch, layout, Workload(**{**work.__dict__, "recompute": "none"}))
+        act = 2 * layer_activation_bytes(arch, layout, replace(work, recompute="none"))
         last = stage == layout.pp - 1
         logits = 2 * logits_transient_bytes(arch, layout, work) if last and not value_head else 0.0
         mem = Memory({"weights": weights, "activations": act, "logits": logits})
@@ -326,6 +383,9 @@ class RolloutShape:
     gpu_memory_utilization: float = 0.9
     dtype: str = "bfloat16"
     max_num_batched_tokens: int = 8192
+    # vLLM refills a finished sequence's slot at once; False: static batches of max_num_seqs that
+    # each run until their own longest response ends (NeMo-Aligner's TRT-LLM rollout micro-batches)
+    continuous_batching: bool = True
 
 
 def vllm_kv_bytes_per_token(arch: ModelArch, tp: int, dtype: str) -> float:

@@ -11,12 +11,23 @@ generates), so that GPU's peak is the larger of the two phases.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate import validate_run
 from megarl.plan import steptime
 from megarl.plan.hardware import GIB, Efficiency, GpuSpec
-from megarl.plan.memory import Layout, Memory, RolloutShape, Workload, inference_memory, trained_memory, vllm_memory
+from megarl.plan.memory import (
+    Layout,
+    Memory,
+    RolloutShape,
+    Workload,
+    inference_memory,
+    stage_layer_counts,
+    trained_memory,
+    vllm_memory,
+)
+from megarl.plan.savers import Saver
 from megarl.plan.search import SCORING, TRAINED, Plan, RolePlan, RolloutPlan, _forward_passes
 from megarl.plan.steptime import RLShape
 
@@ -61,13 +72,19 @@ def evaluate_recipe(cfg: RunConfig, gpu: GpuSpec, eff: Efficiency | None = None,
         work = Workload(dtype=role.precision.dtype, micro_batch=role.micro_batch_size, seq_len=rl.seq_len,
                         attention=attention, distributed_optimizer=role.optim.use_distributed_optimizer)
         if name in TRAINED:
+            rc = role.recompute
+            saver = Saver(rc.granularity, rc.method, rc.num_layers,
+                          role.optim.offload_fraction if role.optim.cpu_offload else 0.0)
+            work = replace(saver.workload(work), recompute_modules=tuple(rc.modules))
             micro = max(1, rl.sequences // (layout.dp * rl.minibatches * role.micro_batch_size))
             mem = trained_memory(arch, layout, work, micro, value_head=TRAINED[name])
-            t = steptime.training_s(arch, layout, role.micro_batch_size, "none", rl, gpu, eff)
+            cost = saver.cost(max(stage_layer_counts(arch.num_layers, layout)))
+            t = steptime.training_s(arch, layout, role.micro_batch_size, cost, rl, gpu, eff)
+            roles[name] = RolePlan(name, layout, saver.describe(), mem, t, saver)
         else:
             mem = inference_memory(arch, layout, work, value_head=SCORING[name])
             t = steptime.forward_s(arch, layout.gpus, rl, gpu, eff)
-        roles[name] = RolePlan(name, layout, "none", mem, t)
+            roles[name] = RolePlan(name, layout, "none", mem, t)
     r = cfg.rollout
     shape = RolloutShape(tp=r.tp, engines=r.engines, max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
                          gpu_memory_utilization=r.gpu_memory_utilization, dtype=r.dtype)

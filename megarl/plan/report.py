@@ -13,7 +13,7 @@ def format_plan(plan: Plan, gpu: GpuSpec, eff: Efficiency, rl: RLShape, title: s
     lines = [f"{title}: {plan.placement}, {plan.gpus} x {gpu.name} ({gpu.memory_gib:.1f} GiB each)", "",
              "layouts"]
     for name, role in plan.roles.items():
-        recompute = f", recompute={role.recompute}" if role.recompute != "none" else ""
+        recompute = f", {role.recompute}" if role.saver is not None else ""
         split = (f", first/last stage layers {role.layout.first_stage_layers}/{role.layout.last_stage_layers}"
                  if role.layout.first_stage_layers else "")
         lines.append(f"  {name:<13} {role.layout.describe()} ({role.layout.gpus} GPUs{recompute}{split})")
@@ -32,7 +32,7 @@ def format_plan(plan: Plan, gpu: GpuSpec, eff: Efficiency, rl: RLShape, title: s
     for problem in plan.problems:
         lines.append(f"  PROBLEM: {problem}")
     lines += ["", f"step time estimate (s), {rl.prompts} prompts x {rl.n} samples, prompt {rl.prompt_len} + "
-                  f"response {rl.response_len} tokens"]
+                  f"response up to {rl.response_len} (mean {rl.mean_response:.0f}) tokens"]
     for phase, t in plan.times.items():
         lines.append(f"  {phase:<13} {t:9.1f}")
     lines.append(f"  {'total':<13} {plan.step_s:9.1f}")

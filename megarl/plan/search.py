@@ -30,9 +30,11 @@ from megarl.plan.memory import (
     RolloutShape,
     Workload,
     inference_memory,
+    stage_layer_counts,
     trained_memory,
     vllm_memory,
 )
+from megarl.plan.savers import Saver, most_saving, savers
 from megarl.plan.steptime import RLShape
 
 TRAINED = {"actor": False, "critic": True}  # role -> value head
@@ -63,9 +65,10 @@ class PlanInputs:
 class RolePlan:
     name: str
     layout: Layout
-    recompute: str
+    recompute: str  # what the report prints: recompute and optimizer offload chosen
     memory: Memory  # per GPU
     time_s: float
+    saver: Saver | None = None  # trained roles: the recompute and offload chosen
 
 
 @dataclass
@@ -159,31 +162,41 @@ def _overhead(eff: Efficiency) -> Memory:
     return Memory({"overhead": eff.overhead_gib * GIB})
 
 
+def _stage_layers(arch: ModelArch, layout: Layout) -> int:
+    return max(stage_layer_counts(arch.num_layers, layout))
+
+
 def best_trained(name: str, arch: ModelArch, gpus: int, inp: PlanInputs, budget: float) -> list[RolePlan]:
-    """Fitting layouts of a trained role on ``gpus`` GPUs within ``budget`` bytes, fastest first."""
+    """Fitting layouts of a trained role on ``gpus`` GPUs within ``budget`` bytes, fastest first.
+
+    Each layout takes the memory savers (recompute, optimizer offload) that fit at the least
+    estimated time: more recompute and more offload only where less does not fit.
+    """
     plans = []
+    base = Workload(dtype=inp.dtype, micro_batch=inp.micro_batch, seq_len=inp.rl.seq_len, attention=inp.attention)
     for layout in layouts(arch, gpus, inp.gpu):
-        for recompute in ("none", "selective", "full"):
-            work = Workload(dtype=inp.dtype, micro_batch=inp.micro_batch, seq_len=inp.rl.seq_len,
-                            recompute=recompute, attention=inp.attention)
-            micro = max(1, inp.rl.sequences // (layout.dp * inp.rl.minibatches * inp.micro_batch))
-            mem = trained_memory(arch, layout, work, micro, value_head=TRAINED[name])
+        micro = max(1, inp.rl.sequences // (layout.dp * inp.rl.minibatches * inp.micro_batch))
+        layers = _stage_layers(arch, layout)
+        timed = sorted(((steptime.training_s(arch, layout, inp.micro_batch, sv.cost(layers), inp.rl, inp.gpu,
+                                             inp.eff), sv) for sv in savers(layers)), key=lambda ts: ts[0])
+        for t, sv in timed:
+            mem = trained_memory(arch, layout, sv.workload(base), micro, value_head=TRAINED[name])
             if mem.total <= budget:
-                t = steptime.training_s(arch, layout, inp.micro_batch, recompute, inp.rl, inp.gpu, inp.eff)
-                plans.append(RolePlan(name, layout, recompute, mem, t))
-                break  # less recompute is faster; more of it only if this does not fit
+                plans.append(RolePlan(name, layout, sv.describe(), mem, t, sv))
+                break
     return sorted(plans, key=lambda p: (p.time_s, p.memory.total))
 
 
 def smallest_trained(name: str, arch: ModelArch, gpus: int, inp: PlanInputs) -> RolePlan | None:
+    """The layout with the least memory per GPU under full recompute and full optimizer offload."""
     best = None
+    base = Workload(dtype=inp.dtype, micro_batch=inp.micro_batch, seq_len=inp.rl.seq_len, attention=inp.attention)
     for layout in layouts(arch, gpus, inp.gpu):
-        work = Workload(dtype=inp.dtype, micro_batch=inp.micro_batch, seq_len=inp.rl.seq_len, recompute="full",
-                        attention=inp.attention)
+        sv = most_saving()
         micro = max(1, inp.rl.sequences // (layout.dp * inp.rl.minibatches * inp.micro_batch))
-        mem = trained_memory(arch, layout, work, micro, value_head=TRAINED[name])
+        mem = trained_memory(arch, layout, sv.workload(base), micro, value_head=TRAINED[name])
         if best is None or mem.total < best.memory.total:
-            best = RolePlan(name, layout, "full", mem, 0.0)
+            best = RolePlan(name, layout, sv.describe(), mem, 0.0, sv)
     return best
 
 
@@ -214,22 +227,30 @@ def best_rollout(arch: ModelArch, gpus: int, inp: PlanInputs, utilization: float
     for tp in (1, 2, 4, 8, 16):
         if gpus % tp or arch.num_heads % tp:
             continue
-        per_engine = -(-inp.rl.sequences // (gpus // tp))
-        shape = RolloutShape(tp=tp, engines=gpus // tp, max_num_seqs=min(inp.max_num_seqs, per_engine),
-                             max_model_len=inp.rl.seq_len, gpu_memory_utilization=utilization, dtype=inp.dtype)
-        mem, needed = vllm_memory(arch, shape, inp.gpu.memory_bytes)
-        fit_seqs = int(mem.components["vllm_kv_cache"] // (needed / shape.max_num_seqs))
-        if fit_seqs < 1:
-            continue
-        if fit_seqs < shape.max_num_seqs:
-            shape = replace(shape, max_num_seqs=fit_seqs)
-            mem, needed = vllm_memory(arch, shape, inp.gpu.memory_bytes)
-        t = steptime.generation_s(arch, shape, inp.rl, inp.gpu, inp.eff)
-        if tp > inp.gpu.gpus_per_node:
-            t *= inp.gpu.nvlink_gbps / inp.gpu.interconnect_gbps / 4  # TP across nodes: all-reduces over the NIC
-        if best is None or t < best.time_s:
-            best = RolloutPlan(shape, mem, needed, t)
+        option = rollout_at(arch, gpus, inp, utilization, tp)
+        if option is not None and (best is None or option.time_s < best.time_s):
+            best = option
     return best
+
+
+def rollout_at(arch: ModelArch, gpus: int, inp: PlanInputs, utilization: float, tp: int) -> RolloutPlan | None:
+    """vLLM engines of ``tp`` GPUs on ``gpus`` GPUs, as many sequences at once as the KV cache holds."""
+    per_engine = -(-inp.rl.sequences // (gpus // tp))
+    shape = RolloutShape(tp=tp, engines=gpus // tp, max_num_seqs=min(inp.max_num_seqs, per_engine),
+                         max_model_len=inp.rl.seq_len, gpu_memory_utilization=utilization, dtype=inp.dtype)
+    mem, needed = vllm_memory(arch, shape, inp.gpu.memory_bytes)
+    # vLLM admits sequences by the KV blocks they use: the mean sequence, not the longest
+    per_seq = needed / shape.max_num_seqs * inp.rl.mean_seq_len / inp.rl.seq_len
+    fit_seqs = int(mem.components["vllm_kv_cache"] // per_seq)
+    if mem.components["vllm_kv_cache"] < needed / shape.max_num_seqs:  # not even one longest sequence
+        return None
+    if fit_seqs < shape.max_num_seqs:
+        shape = replace(shape, max_num_seqs=fit_seqs)
+        mem, needed = vllm_memory(arch, shape, inp.gpu.memory_bytes)
+    t = steptime.generation_s(arch, shape, inp.rl, inp.gpu, inp.eff)
+    if tp > inp.gpu.gpus_per_node:
+        t *= inp.gpu.nvlink_gbps / inp.gpu.interconnect_gbps / 4  # TP across nodes: all-reduces over the NIC
+    return RolloutPlan(shape, mem, needed * inp.rl.mean_seq_len / inp.rl.seq_len, t)
 
 
 VLLM_UTILIZATION = 0.9  # vLLM's default share of the device
@@ -240,15 +261,28 @@ def plan_colocated(arch: ModelArch, n: int, inp: PlanInputs) -> Plan:
     cap, names = inp.gpu.memory_bytes, roles_for(inp.rl.algo)
     budget = cap - inp.eff.overhead_gib * GIB
     chosen: dict[str, RolePlan] = {}
-    for name in names:  # each role's fastest layout; fall back to the smallest if the sum overflows
+    for name in names:  # each role alone first: if one cannot fit, nothing can
         found = (best_trained if name in TRAINED else best_scoring)(name, arch, n, inp, budget)
         if not found:
-            raise NoFit(_smallest_need(arch, n, inp, name), cap, f"{name} alone does not fit on {n} GPUs")
+            need, detail = _smallest_detail(arch, n, inp, name)
+            raise NoFit(need, cap, f"{name} alone does not fit on {n} GPUs; {detail}")
         chosen[name] = found[0]
     if _stack(chosen.values(), inp.eff).total > cap:
-        for name in names:
-            options = (best_trained if name in TRAINED else best_scoring)(name, arch, n, inp, budget)
-            chosen[name] = min(options, key=lambda p: p.memory.total)
+        # The roles are resident together. Scoring roles take their smallest layout; each trained
+        # role then gets the fastest layout and savers that fit beside the others (a trained role
+        # not yet chosen counted at its smallest: full recompute, Adam on the host).
+        for name in (r for r in names if r in SCORING):
+            chosen[name] = min(best_scoring(name, arch, n, inp, budget), key=lambda p: p.memory.total)
+        trained = [r for r in names if r in TRAINED]
+        smallest = {r: smallest_trained(r, arch, n, inp) for r in trained}
+        placed: dict[str, RolePlan] = {}
+        for name in trained:
+            others = [chosen[r] for r in names if r in SCORING]
+            others += [placed.get(r) or smallest[r] for r in trained if r != name]
+            room = budget - sum(o.memory.total for o in others)
+            found = best_trained(name, arch, n, inp, room)
+            placed[name] = found[0] if found else _timed(smallest[name], arch, inp)
+        chosen.update(placed)
     megatron = _stack(chosen.values(), inp.eff)
     util = min(VLLM_UTILIZATION, (cap - inp.eff.overhead_gib * GIB) / cap)
     rollout = best_rollout(arch, n, inp, util) or _rollout_anyway(arch, n, inp, util)
@@ -265,6 +299,13 @@ def plan_colocated(arch: ModelArch, n: int, inp: PlanInputs) -> Plan:
     return Plan("colocated", n, chosen, rollout,
                 {"Megatron phase": megatron, "generation phase": vllm, "sync phase": sync}, times, cap,
                 [f"vLLM gpu_memory_utilization={util:.2f} (Megatron roles offloaded while it generates)"])
+
+
+def _timed(role: RolePlan, arch: ModelArch, inp: PlanInputs) -> RolePlan:
+    """``role`` with the training time its layout and savers cost."""
+    cost = role.saver.cost(_stage_layers(arch, role.layout))
+    role.time_s = steptime.training_s(arch, role.layout, inp.micro_batch, cost, inp.rl, inp.gpu, inp.eff)
+    return role
 
 
 def _stack(plans, eff: Efficiency) -> Memory:
@@ -287,6 +328,23 @@ def _rollout_anyway(arch: ModelArch, gpus: int, inp: PlanInputs, util: float) ->
                          gpu_memory_utilization=util, dtype=inp.dtype)
     mem, needed = vllm_memory(arch, shape, inp.gpu.memory_bytes)
     return RolloutPlan(shape, mem, needed, steptime.generation_s(arch, shape, inp.rl, inp.gpu, inp.eff))
+
+
+def _smallest_detail(arch: ModelArch, n: int, inp: PlanInputs, name: str) -> tuple[float, str]:
+    """(per-GPU need, its components) of ``name``'s smallest layout on ``n`` GPUs: for a trained role
+    with full recompute and full optimizer offload, so the message says what still does not fit."""
+    if name in TRAINED:
+        p = smallest_trained(name, arch, n, inp)
+    else:
+        found = best_scoring(name, arch, n, inp, 0.0)
+        p = found[0] if found else None
+    if p is None:
+        return float("inf"), f"no layout of {name} divides {n} GPUs"
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.memory.components.items())
+    how = f" with {p.recompute}" if name in TRAINED else ""
+    return (p.memory.total + inp.eff.overhead_gib * GIB,
+            f"its smallest layout ({p.layout.describe()}{how}) needs GiB per GPU: {parts}, "
+            f"overhead {inp.eff.overhead_gib:.1f}")
 
 
 def _smallest_need(arch: ModelArch, n: int, inp: PlanInputs, name: str) -> float:
@@ -346,10 +404,13 @@ def plan_disaggregated(arch: ModelArch, n: int, inp: PlanInputs) -> Plan:
         missing = [r for r, g in least.items() if g is None]
         if missing:
             name = missing[0]
-            need = (_smallest_need(arch, n, inp, name) if name != "rollout"
-                    else arch.num_parameters() * 2 / max(t for t in (1, 2, 4, 8, 16) if n % t == 0)
-                    + inp.eff.overhead_gib * GIB)
-            raise NoFit(need, cap, f"{name} does not fit even on all {n} GPUs")
+            if name != "rollout":
+                need, detail = _smallest_detail(arch, n, inp, name)
+            else:
+                need = (arch.num_parameters() * 2 / max(t for t in (1, 2, 4, 8, 16) if n % t == 0)
+                        + inp.eff.overhead_gib * GIB)
+                detail = "vLLM's weights and one sequence's KV cache do not fit an engine"
+            raise NoFit(need, cap, f"{name} does not fit even on all {n} GPUs; {detail}")
         raise NoFit(cap, cap, f"the roles need at least {sum(least.values())} GPUs on their own "
                               f"({', '.join(f'{r} {g}' for r, g in least.items())}), {n} given", gpus=True)
     picked = best[1]
@@ -378,6 +439,14 @@ def _disagg_time(picked: dict, arch: ModelArch, inp: PlanInputs) -> float:
     return sum(_disagg_times(picked, arch, inp).values())
 
 
+def _over(candidate: Plan) -> str:
+    """The fullest group of GPUs by component, and the savers its trained roles already use."""
+    group, mem = max(candidate.per_gpu.items(), key=lambda kv: kv[1].total)
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.components.items() if v >= 0.05 * GIB)
+    savers_used = "; ".join(f"{r.name} {r.recompute}" for r in candidate.roles.values() if r.saver is not None)
+    return f"{group} needs {mem.total / GIB:.1f} GiB per GPU: {parts} (with {savers_used})"
+
+
 def plan(arch: ModelArch, n: int, inp: PlanInputs, placement: str = "any") -> Plan:
     """The fastest fitting plan of the requested placement(s); NoFit when none fits."""
     tries = {"any": (plan_colocated, plan_disaggregated), "colocated": (plan_colocated,),
@@ -393,7 +462,7 @@ def plan(arch: ModelArch, n: int, inp: PlanInputs, placement: str = "any") -> Pl
             plans.append(candidate)
         else:
             failures.append(NoFit(candidate.peak, candidate.capacity,
-                                  f"{candidate.placement}: " + ("; ".join(candidate.problems) or "over memory")))
+                                  f"{candidate.placement}: " + ("; ".join(candidate.problems) or _over(candidate))))
     if plans:
         return min(plans, key=lambda p: p.step_s)
     raise min(failures, key=lambda e: e.needed)

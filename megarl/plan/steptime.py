@@ -1,12 +1,17 @@
 """An RL step's time from FLOPs, memory bandwidth and link bandwidth (first-order estimates).
 
 - generation: vLLM prefill is compute-bound; each decode step reads the engine's
-  weights and its batch's KV cache from HBM (or is compute-bound at large batches);
+  weights and its batch's KV cache from HBM (or is compute-bound at large batches),
+  plus a fixed per-step cost. An engine decodes until its longest response ends: the
+  step count follows the maximum response length, while the batch thins out as shorter
+  responses finish (response lengths are spread between 0 and the maximum with the given
+  mean, see ``active_fraction``);
 - inference: forward passes of the reference, reward model, critic values and the
-  actor's old log-probs over every sampled sequence;
-- training: 3x forward FLOPs (4x with full recompute) per PPO epoch, stretched by the
-  1F1B pipeline bubble, plus tensor-parallel all-reduces and the distributed optimizer's
-  reduce-scatter/all-gather;
+  actor's old log-probs over every sampled token (mean lengths: sequences are packed);
+- training: 3x forward FLOPs per PPO epoch (a recomputed layer runs its forward again:
+  4x under full recompute of every layer), stretched by the 1F1B pipeline bubble, plus
+  tensor-parallel all-reduces, the distributed optimizer's reduce-scatter/all-gather and,
+  with optimizer CPU offload, the host copies and the CPU Adam step of the offloaded part;
 - weight sync: each rollout GPU receives its shard of the actor's weights;
 - offload (colocated only): the Megatron roles leave the GPU for generation and return.
 """
@@ -23,7 +28,11 @@ from megarl.plan.memory import DTYPE_BYTES, Layout, RolloutShape, vllm_kv_bytes_
 
 @dataclass(frozen=True)
 class RLShape:
-    """One RL step's data: prompts, samples per prompt, lengths."""
+    """One RL step's data: prompts, samples per prompt, lengths.
+
+    ``response_len`` is the longest response (the generation limit); ``mean_response_len``
+    the mean (None: every response runs to the limit, the worst case).
+    """
 
     algo: str = "grpo"  # grpo (actor, reference) | ppo (+ critic, reward model)
     prompts: int = 256
@@ -32,6 +41,7 @@ class RLShape:
     response_len: int = 2048
     ppo_epochs: int = 1
     minibatches: int = 1
+    mean_response_len: float | None = None
 
     @property
     def sequences(self) -> int:
@@ -39,7 +49,27 @@ class RLShape:
 
     @property
     def seq_len(self) -> int:
+        """The longest sequence: what memory must hold."""
         return self.prompt_len + self.response_len
+
+    @property
+    def mean_response(self) -> float:
+        return self.response_len if self.mean_response_len is None else min(self.mean_response_len,
+                                                                            self.response_len)
+
+    @property
+    def mean_seq_len(self) -> float:
+        """The mean sequence: what packed forward and backward passes compute over."""
+        return self.prompt_len + self.mean_response
+
+
+@dataclass(frozen=True)
+class TrainCost:
+    """What a trained role's step costs beyond its layout: recompute and optimizer offload."""
+
+    recompute: str = "none"  # none | selective | full
+    recompute_fraction: float = 1.0  # full: share of layers recomputed (block method: n / stage layers)
+    offload_fraction: float = 0.0
 
 
 def active_params(arch: ModelArch) -> float:
@@ -55,27 +85,87 @@ def forward_flops_per_token(arch: ModelArch, context: float) -> float:
     return 2 * active_params(arch) + 2 * arch.num_layers * arch.num_heads * arch.head_dim * context
 
 
-def generation_s(arch: ModelArch, roll: RolloutShape, rl: RLShape, gpu: GpuSpec, eff: Efficiency) -> float:
-    per_engine = math.ceil(rl.sequences / roll.engines)
-    flops = gpu.bf16_tflops * 1e12 * roll.tp
+def active_fraction(step: float, max_len: float, mean_len: float) -> float:
+    """Share of a batch's responses still decoding after ``step`` tokens.
+
+    Lengths are taken to follow (1 - t/max)^k with k = max/mean - 1: mean ``mean_len``, and the
+    longest response of a large batch reaches ``max_len`` (RL rollouts do hit the limit).
+    """
+    if step >= max_len:
+        return 0.0
+    k = max(max_len / max(mean_len, 1.0) - 1.0, 0.0)
+    return (1.0 - step / max_len) ** k
+
+
+def decode_step_s(arch: ModelArch, roll: RolloutShape, active: float, context: float, gpu: GpuSpec,
+                  eff: Efficiency) -> float:
+    """One decode step of one engine with ``active`` sequences of ``context`` tokens."""
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm_efficiency * roll.tp
+    flops = gpu.bf16_tflops * 1e12 * roll.tp * eff.prefill_mfu
     weights = arch.num_parameters() * DTYPE_BYTES[roll.dtype]
-    kv_token = vllm_kv_bytes_per_token(arch, roll.tp, roll.dtype) * roll.tp
-    total, left = 0.0, per_engine
-    while left > 0:
-        batch = min(left, roll.max_num_seqs)
-        left -= batch
-        total += batch * rl.prompt_len * forward_flops_per_token(arch, rl.prompt_len / 2) / (flops * eff.prefill_mfu)
-        context = rl.prompt_len + rl.response_len / 2  # the average decode step's context
-        read = weights + batch * context * kv_token
-        compute = batch * forward_flops_per_token(arch, context) / (flops * eff.prefill_mfu)
-        total += rl.response_len * max(read / hbm, compute)
+    if arch.is_moe:  # a small batch touches only the experts its tokens are routed to
+        touched = min(1.0, active * (arch.moe_topk or 1) / arch.num_experts)
+        weights = (active_params(arch) + (arch.num_parameters() - active_params(arch)) * touched) \
+            * DTYPE_BYTES[roll.dtype]
+    kv = active * context * vllm_kv_bytes_per_token(arch, roll.tp, roll.dtype) * roll.tp
+    compute = active * forward_flops_per_token(arch, context) / flops
+    return max((weights + kv) / hbm, compute) + eff.decode_step_ms / 1e3
+
+
+def generation_s(arch: ModelArch, roll: RolloutShape, rl: RLShape, gpu: GpuSpec, eff: Efficiency) -> float:
+    """One engine's rollout of its share of the batch (the engines run in parallel).
+
+    Continuous batching keeps ``max_num_seqs`` sequences running while the queue lasts
+    (each slot turns over every mean-length steps); then the last full batch drains until
+    its longest response ends.
+    """
+    per_engine = math.ceil(rl.sequences / roll.engines)
+    batch = min(per_engine, roll.max_num_seqs)
+    longest, mean = rl.response_len, rl.mean_response
+    flops = gpu.bf16_tflops * 1e12 * roll.tp * eff.prefill_mfu
+    prefill = per_engine * rl.prompt_len * forward_flops_per_token(arch, rl.prompt_len / 2) / flops
+    if not roll.continuous_batching:
+        return prefill + math.ceil(per_engine / batch) * static_batch_s(arch, roll, rl, batch, gpu, eff)
+    queued_steps = max(per_engine - batch, 0) * mean / batch
+    full = queued_steps * decode_step_s(arch, roll, batch, rl.prompt_len + mean / 2, gpu, eff)
+    chunk = max(1, longest // 256)  # integrate the tail in chunks of steps
+    tail = 0.0
+    for start in range(0, longest, chunk):
+        mid = start + chunk / 2
+        active = batch * active_fraction(mid, longest, mean)
+        if active < 1.0 / per_engine:
+            continue
+        tail += chunk * decode_step_s(arch, roll, max(active, 1.0), rl.prompt_len + mid, gpu, eff)
+    return prefill + full + tail
+
+
+def megatron_mfu(arch: ModelArch, mfu: float, eff: Efficiency) -> float:
+    """A Megatron pass's MFU: MoE layers reach a fraction of the dense figure."""
+    return mfu * (eff.moe_mfu_factor if arch.is_moe else 1.0)
+
+
+def static_batch_s(arch: ModelArch, roll: RolloutShape, rl: RLShape, batch: int, gpu: GpuSpec,
+                   eff: Efficiency) -> float:
+    """Decode of one static batch: it runs while any of its ``batch`` responses does, so its
+    length is the batch's longest (the expectation of the maximum of ``batch`` draws)."""
+    longest, mean = rl.response_len, rl.mean_response
+    chunk = max(1, longest // 256)
+    total = 0.0
+    for start in range(0, longest, chunk):
+        mid = start + chunk / 2
+        alive = active_fraction(mid, longest, mean)
+        running = 1.0 - (1.0 - alive) ** batch  # P(some response of the batch still decodes)
+        if running < 1e-6:
+            continue
+        active = max(1.0, batch * alive / running)  # responses decoding, given the batch still runs
+        total += chunk * running * decode_step_s(arch, roll, active, rl.prompt_len + mid, gpu, eff)
     return total
 
 
 def forward_s(arch: ModelArch, gpus: int, rl: RLShape, gpu: GpuSpec, eff: Efficiency) -> float:
-    tokens = rl.sequences * rl.seq_len
-    return tokens * forward_flops_per_token(arch, rl.seq_len / 2) / (gpus * gpu.bf16_tflops * 1e12 * eff.prefill_mfu)
+    tokens = rl.sequences * rl.mean_seq_len
+    return tokens * forward_flops_per_token(arch, rl.mean_seq_len / 2) / (
+        gpus * gpu.bf16_tflops * 1e12 * megatron_mfu(arch, eff.prefill_mfu, eff))
 
 
 def link_gbps(gpus: int, gpu: GpuSpec) -> float:
@@ -83,23 +173,51 @@ def link_gbps(gpus: int, gpu: GpuSpec) -> float:
     return gpu.nvlink_gbps if gpus <= gpu.gpus_per_node else gpu.interconnect_gbps
 
 
-def training_s(arch: ModelArch, layout: Layout, micro_batch: int, recompute: str, rl: RLShape,
+def training_s(arch: ModelArch, layout: Layout, micro_batch: int, cost: TrainCost | str, rl: RLShape,
                gpu: GpuSpec, eff: Efficiency) -> float:
-    tokens = rl.sequences * rl.seq_len * rl.ppo_epochs
-    passes = 4 if recompute == "full" else 3
-    compute = passes * tokens * forward_flops_per_token(arch, rl.seq_len / 2) / (
-        layout.gpus * gpu.bf16_tflops * 1e12 * eff.train_mfu)
+    if isinstance(cost, str):
+        cost = TrainCost(recompute=cost)
+    tokens = rl.sequences * rl.mean_seq_len * rl.ppo_epochs
+    # backward is twice the forward; a fully recomputed layer runs its forward once more, a
+    # selective one only its attention core (the s^2 part)
+    passes = 3.0
+    if cost.recompute == "full":
+        passes += cost.recompute_fraction
+    per_token = forward_flops_per_token(arch, rl.mean_seq_len / 2)
+    if cost.recompute == "selective":
+        passes += 2 * arch.num_layers * arch.num_heads * arch.head_dim * rl.mean_seq_len / 2 / per_token
+    compute = passes * tokens * per_token / (layout.gpus * gpu.bf16_tflops * 1e12 * megatron_mfu(arch, eff.train_mfu,
+                                                                                                 eff))
     microbatches = max(1, rl.sequences // (layout.dp * rl.minibatches * micro_batch))
     bubble = 1 + (layout.pp - 1) / (microbatches * (layout.vpp or 1))
     # distributed optimizer per optimizer step: reduce-scatter fp32 grads, all-gather bf16 params
     shard = arch.num_parameters() / (layout.tp * layout.pp)
     dp_group = layout.dp * layout.cp
-    comm = (dp_group - 1) / dp_group * shard * 6 / (link_gbps(layout.gpus, gpu) * 1e9 * eff.link_efficiency)
+    # megatron-core orders ranks tp, cp, dp, pp: a dp group spans tp * cp * dp consecutive GPUs
+    dp_link = link_gbps(layout.tp * dp_group, gpu) * 1e9 * eff.link_efficiency
+    comm = (dp_group - 1) / dp_group * shard * 6 / dp_link
+    # pipeline: each micro-batch's activations go forward and their gradients back over every
+    # stage boundary; the slowest boundary (across nodes once the pipeline leaves one) sets the pace
+    p2p = 0.0
+    if layout.pp > 1:
+        mb_bytes = micro_batch * rl.mean_seq_len / layout.cp / layout.tp * arch.hidden_size * 2
+        p2p = 2 * microbatches * rl.minibatches * rl.ppo_epochs * mb_bytes / (
+            link_gbps(layout.gpus, gpu) * 1e9 * eff.link_efficiency)
     # tensor parallelism: 4 all-reduces (2 forward, 2 backward) of each layer's hidden states,
     # over NVLink inside a node; each pipeline stage runs its layers for the dp shard's tokens
     tp_bytes = tokens / layout.dp * arch.num_layers / layout.pp * 4 * arch.hidden_size * 2
     tp_comm = tp_bytes * 2 * (layout.tp - 1) / layout.tp / (link_gbps(layout.tp, gpu) * 1e9 * eff.link_efficiency)
-    return compute * bubble + tp_comm + comm * rl.minibatches * rl.ppo_epochs
+    steps = rl.minibatches * rl.ppo_epochs
+    return compute * bubble + tp_comm + p2p + (comm + optimizer_offload_s(arch, layout, cost, gpu, eff)) * steps
+
+
+def optimizer_offload_s(arch: ModelArch, layout: Layout, cost: TrainCost, gpu: GpuSpec, eff: Efficiency) -> float:
+    """Per optimizer step with CPU offload: the offloaded shard's fp32 grads down and updated
+    params up over PCIe, and torch's CPU Adam over it (GPU Adam on the rest is negligible)."""
+    if cost.offload_fraction <= 0:
+        return 0.0
+    shard = arch.num_parameters() / (layout.tp * layout.pp * layout.dp * layout.cp) * cost.offload_fraction
+    return shard * 8 / (gpu.pcie_gbps * 1e9) + shard / eff.cpu_adam_params_per_s
 
 
 def weight_sync_s(arch: ModelArch, roll: RolloutShape, colocated: bool, gpu: GpuSpec, eff: Efficiency) -> float:

@@ -9,12 +9,12 @@ time, and ``unload`` releases it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from megarl.config.schema import ParallelConfig, PrecisionConfig
+from megarl.config.schema import ParallelConfig, PrecisionConfig, RecomputeConfig
 from megarl.distributed.parallel import RankInfo, megatron_parallel
 from megarl.models.gpt import ModelSpec, build_model_chunks
 from megarl.workers.state import state
@@ -42,8 +42,9 @@ def held(key: str) -> HeldModel:
 
 
 def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32", value_head: bool = False,
-         seed: int = 1234, timeout_minutes: int = 30) -> dict:
-    """Builds the model at ``parallel`` and fills it from an HF folder or a megarl checkpoint."""
+         seed: int = 1234, timeout_minutes: int = 30, recompute: dict | RecomputeConfig | None = None) -> dict:
+    """Builds the model at ``parallel`` and fills it from an HF folder or a megarl checkpoint;
+    ``recompute`` is the role's activation recompute (a RecomputeConfig or its asdict)."""
     from megarl.convert.checkpoint import is_megarl_checkpoint, load_model
     from megarl.convert.hf_io import HFReader
     from megarl.convert.jobs import spec_from_checkpoint
@@ -53,16 +54,19 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
 
     if key in state:
         unload(key)
+    if isinstance(recompute, dict):
+        recompute = RecomputeConfig(**recompute)
     path = str(resolve_model_path(source))
     context = megatron_parallel(parallel, seed=seed, timeout_minutes=timeout_minutes)
     info = context.__enter__()
     try:
         if is_megarl_checkpoint(path):
-            spec = spec_from_checkpoint(path, parallel, dtype)
+            spec = replace(spec_from_checkpoint(path, parallel, dtype), recompute=recompute)
             chunks = build_model_chunks(spec)
             load_model(chunks, path)
         else:
-            spec = ModelSpec(arch_from_hf_dir(path), parallel, PrecisionConfig(dtype=dtype), value_head=value_head)
+            spec = ModelSpec(arch_from_hf_dir(path), parallel, PrecisionConfig(dtype=dtype), value_head=value_head,
+                             recompute=recompute)
             chunks = build_model_chunks(spec)
             reader = HFReader(path)
             load_hf_weights(chunks, reader, spec, info)
