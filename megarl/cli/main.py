@@ -35,6 +35,8 @@ def _exit_on_sigterm() -> None:
     # SIGTERM (Slurm's scancel, kill) unwinds like Ctrl-C: rank processes are stopped and
     # temporary outputs removed by the `finally`/`except` blocks on the way out.
     def handler(signum, frame):
+        # Once: a second SIGTERM (a launcher repeating it) must not cut the cleanup short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)

@@ -13,8 +13,12 @@ torch thread pool from the real cores (see megarl.workers.group).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
 
 DEFAULT_LOCAL_CPUS = 16
 DEFAULT_OBJECT_STORE_MIB = 512
@@ -42,6 +46,24 @@ def ensure_ray(num_cpus: int | None = None, namespace: str = "megarl", *,
 
     if ray.is_initialized():
         return
+    with _keeping_sigterm_handler():
+        _init(ray, num_cpus, namespace, object_store_mib, log_to_driver)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """ray.init installs a C++ handler for SIGTERM in the driver that prints a stack and aborts:
+    no ``finally`` runs, and the run's processes (Ray's agents, ranks, vLLM) outlive it. The
+    driver's own Python handler (megarl.cli.main: unwind like Ctrl-C) is put back."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init(ray, num_cpus: int | None, namespace: str, object_store_mib: int, log_to_driver: bool) -> None:
     common = dict(namespace=namespace, log_to_driver=log_to_driver, logging_level=logging.WARNING)
     address = os.environ.get("RAY_ADDRESS")
     if address:

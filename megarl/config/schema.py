@@ -204,6 +204,9 @@ class TrainerConfig:
     wandb: bool = True  # used only when wandb is installed
     step_timeout_s: float = 1800.0
     collective_timeout_s: float = 60.0
+    # How often the driver checks that every rank and vLLM process is alive (megarl.workers.watchdog);
+    # a death ends the run within a few of these, whatever it was waiting on.
+    watchdog_interval_s: float = 2.0
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from megarl.platform import current_platform
 from megarl.reshard import actor_fns
 from megarl.reshard.plan import DestRank, ParamInfo, PlanError, SourceRank, SyncPlan, build_plan
+from megarl.utils.abort import RUN_ABORT, wait_all
 from megarl.workers import megatron_model
 
 
@@ -70,7 +71,6 @@ class WeightSync:
     # -- setup ----------------------------------------------------------------------------------
 
     def setup(self) -> SyncPlan:
-        import ray
 
         metas = self.actor.run(actor_fns.meta, key=self.model_key)
         arch = self.actor.run_on([0], _arch, key=self.model_key)[0]
@@ -82,7 +82,7 @@ class WeightSync:
                 self._sources.append(SourceRank(len(self._sources), meta["layout"], meta["params"]))
         first = len(self._sources)
         self._dests = []
-        for engine_meta in ray.get([e.param_meta.remote() for e in self.engines]):
+        for engine_meta in wait_all([e.param_meta.remote() for e in self.engines], self.timeout_s, "vLLM's shapes"):
             workers = []
             for worker in engine_meta:
                 params = {n: ParamInfo(tuple(shape), dtype) for n, (shape, dtype) in worker["params"].items()}
@@ -98,11 +98,11 @@ class WeightSync:
                                     backend=self.backend, timeout_s=self.timeout_s)
         joins = [e.join_sync_group.remote(host, port, ws[0].rank, world, self.backend, self.timeout_s)
                  for e, ws in zip(self.engines, self._dests, strict=True)]
-        ray.get(joins, timeout=self.timeout_s)
+        wait_all(joins, self.timeout_s, "joining the weight-sync group")
         pending.result(self.timeout_s)
         self.actor.run(actor_fns.install, fragments={s.rank: self.plan.fragment(s.rank) for s in self._sources})
-        ray.get([e.install_plan.remote({d.rank: self.plan.fragment(d.rank) for d in ws})
-                 for e, ws in zip(self.engines, self._dests, strict=True)], timeout=self.timeout_s)
+        wait_all([e.install_plan.remote({d.rank: self.plan.fragment(d.rank) for d in ws})
+                  for e, ws in zip(self.engines, self._dests, strict=True)], self.timeout_s, "installing the sync plan")
         return self.plan
 
     # -- sync -----------------------------------------------------------------------------------
@@ -117,8 +117,8 @@ class WeightSync:
         # Both sides confirm the plan still fits before any byte moves: a stale plan must fail
         # here, not leave one side waiting in a receive the other will never send.
         problems = self.actor.run(actor_fns.check, key=self.model_key, plan_id=plan_id, timeout_s=self.timeout_s)
-        problems += [p for found in ray.get([e.check_plan.remote(plan_id) for e in self.engines],
-                                            timeout=self.timeout_s) for p in found]
+        problems += [p for found in wait_all([e.check_plan.remote(plan_id) for e in self.engines], self.timeout_s,
+                                             "checking the sync plan") for p in found]
         problems = [p for p in problems if p]
         if problems:
             raise StalePlanError(problems[0])
@@ -129,6 +129,7 @@ class WeightSync:
         # The engines wait for bytes from the actor: if an actor rank dies, stop waiting at
         # once and report it (pending.result raises, naming the role and rank).
         while len(ray.wait(receiving, num_returns=len(receiving), timeout=0.5)[0]) < len(receiving):
+            RUN_ABORT.check()  # an engine (or one of its vLLM workers) died: the watchdog said so
             if pending.failed() or time.monotonic() > deadline:
                 pending.result(max(0.0, deadline - time.monotonic()))
                 raise TimeoutError(f"weight sync: the rollout engines did not receive within {self.timeout_s:.0f} s")
@@ -168,13 +169,13 @@ class WeightSync:
     def verify(self, sequences: torch.Tensor, tolerance: float = 1e-3, report: SyncReport | None = None
                ) -> VerifyReport:
         """Scores ``sequences`` [b, s] with every engine and with the actor; raises above ``tolerance``."""
-        import ray
 
         actor = next(x for x in self.actor.run(megatron_model.token_logprobs, key=self.model_key,
                                                tokens=sequences) if x is not None)
         worst: VerifyReport | None = None
         for engine in self.engines:
-            scored = torch.tensor(ray.get(engine.prompt_logprobs.remote(sequences.tolist()), timeout=self.timeout_s))
+            [scored] = wait_all([engine.prompt_logprobs.remote(sequences.tolist())], self.timeout_s, "vLLM scoring")
+            scored = torch.tensor(scored)
             diff = (scored - actor).abs()
             result = VerifyReport(float(diff.max()), float(torch.exp(diff).mean()), diff.numel())
             if worst is None or result.max_abs_logprob_diff > worst.max_abs_logprob_diff:

@@ -10,13 +10,36 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from megarl.platform import current_platform
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.utils import process_watch
 from megarl.utils.cores import usable_cores
 
 WORKER_EXTENSION = "megarl.rollout.worker_extension.WeightSyncExtension"
+# The Ray concurrency group of the liveness methods: they answer while generate() or a weight
+# sync blocks the engine's main thread (see megarl.rollout.remote.start_engine).
+WATCH_GROUP = "watch"
+
+
+def _watch_method(fn):
+    """Runs ``fn`` in the engine actor's watch group; a plain attribute where Ray is not used."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - Ray is a dependency; keep the engine usable without it
+        return fn
+    return ray.method(concurrency_group=WATCH_GROUP)(fn)
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """What the engine's liveness check saw: its own pid and its vLLM processes that died."""
+
+    pid: int
+    watched: list[process_watch.WatchedProcess]
+    dead: list[process_watch.ProcessDeath]
 
 
 def _cpu_environment(kv_cache_gib: int, tp: int) -> None:
@@ -55,9 +78,23 @@ class VLLMEngine:
             **({"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
                if platform.is_gpu else {}),
         )
+        # vLLM's engine core and its workers, now that they are up: a death of any of them would
+        # leave a call on this engine waiting forever.
+        self._processes = process_watch.descendants("VLLM::")
 
     def ready(self) -> bool:
         return True
+
+    # -- liveness (answered from the watch group, beside a blocked call) --------------------------
+
+    @_watch_method
+    def health(self) -> EngineHealth:
+        return EngineHealth(os.getpid(), list(self._processes), process_watch.deaths(self._processes))
+
+    @_watch_method
+    def kill_processes(self) -> int:
+        """SIGKILLs vLLM's processes: the teardown of an engine that failed (shutdown would wait on them)."""
+        return process_watch.kill_all(self._processes)
 
     # -- generation ---------------------------------------------------------------------------
 

@@ -13,8 +13,7 @@ from megarl.workers.rl_fns import train_policy, train_value
 
 
 def train(cfg: RunConfig) -> list[dict]:
-    run = Run(cfg).build()
-    try:
+    with Run(cfg).build() as run:  # on the way out, every process of the run is stopped
         start = run.resume()
         log = run.logger(resume_step=start)
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
@@ -49,8 +48,6 @@ def train(cfg: RunConfig) -> list[dict]:
         plots = log.close()
         print(f"done: {cfg.trainer.steps} steps; metrics in {log.path}; plots: {', '.join(map(str, plots))}")
         return log.history()
-    finally:
-        run.shutdown()
 
 
 def policy_batch(batch, est, old, ref, cfg) -> dict:

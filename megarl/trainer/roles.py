@@ -36,7 +36,8 @@ class MegatronRole:
     def load(self, timeout_minutes: int = 30) -> None:
         """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
         self._run(megatron_model.load, key=self.name, source=self.source, parallel=self.cfg.parallel,
-                  dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes)
+                  dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes,
+                  recompute=asdict(self.cfg.recompute))
 
     def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Any:
         return rl_fns.gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(),
@@ -79,5 +80,5 @@ class MegatronRole:
         """Brings everything offloaded back onto the ranks' devices; returns bytes restored."""
         return sum(self._run(offload_fns.onload, key=self.name))
 
-    def shutdown(self) -> None:
-        self.group.shutdown()
+    def shutdown(self, graceful: bool = True) -> None:
+        self.group.shutdown(graceful=graceful)

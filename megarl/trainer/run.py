@@ -24,8 +24,10 @@ from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import MegatronRole
+from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
 from megarl.workers import offload_fns
+from megarl.workers.watchdog import Watchdog
 
 
 class RunFailed(RuntimeError):
@@ -52,10 +54,27 @@ class Run:
         self.sync = None
         self.slots: dict = {}
         self.offloaded_bytes = 0  # colocated: bytes the Megatron roles moved off the device this step
+        self.watchdog: Watchdog | None = None
 
     # -- construction --------------------------------------------------------------------------
 
     def build(self) -> Run:
+        """Starts every role and engine; a failure on the way stops what had started."""
+        try:
+            return self._build()
+        except BaseException as error:
+            self.shutdown(graceful=False)
+            if isinstance(error, Exception):
+                raise RunFailed(f"start-up: {self._cause(error)}") from error
+            raise
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, *rest) -> None:
+        self.shutdown(graceful=exc_type is None)
+
+    def _build(self) -> Run:
         from transformers import AutoTokenizer
 
         from megarl.cluster.placement import place
@@ -64,6 +83,7 @@ class Run:
 
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        RUN_ABORT.reset()  # a run earlier in this process may have tripped it
         ensure_ray()
         slots = self.slots = place(cfg)
         actor_hf = hf_folder(cfg.actor.model.path)
@@ -87,7 +107,23 @@ class Run:
         # which process is which rank: for `kill`, `py-spy dump` or a debugger
         pids = {name: role.group.pids for name, role in self.roles.items()}
         write_text_atomic(self.run_dir / "workers.json", json.dumps(pids, indent=2))
+        self._start_watchdog()
         return self
+
+    def _start_watchdog(self) -> None:
+        """Every rank and engine is watched from here on; engines.json says which process is which."""
+        self.watchdog = Watchdog(interval_s=self.cfg.trainer.watchdog_interval_s,
+                                 answer_timeout_s=self.cfg.trainer.watchdog_interval_s * 10)
+        for role in self.roles.values():
+            self.watchdog.watch_group(role.group)
+        healths = wait_all([e.health.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s,
+                           "the engines' first liveness check")
+        for index, engine in enumerate(self.engines):
+            self.watchdog.watch_engine(index, engine)
+        engines = [{"engine": i, "pid": h.pid, "processes": [{"pid": w.pid, "title": w.title} for w in h.watched]}
+                   for i, h in enumerate(healths)]
+        write_text_atomic(self.run_dir / "engines.json", json.dumps(engines, indent=2))
+        self.watchdog.start()
 
     def _dataset(self):
         from megarl.data.dataset import PromptDataset
@@ -131,12 +167,25 @@ class Run:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
+        # which step and phase the run is in, for whoever watches it from outside
+        write_text_atomic(self.run_dir / "progress.json", json.dumps({"step": self.step, "phase": name}))
         try:
             yield
         except Exception as e:
-            raise RunFailed(f"step {self.step}, phase {name!r}: {e}") from e
+            raise RunFailed(f"step {self.step}, phase {name!r}: {self._cause(e)}") from e
         finally:
             self.phase_times[name] = time.perf_counter() - started
+
+    def _cause(self, error: Exception) -> str:
+        """What to blame: a death the watchdog saw (or sees now) before the error it caused. A rank
+        whose collective peer died fails too, and would otherwise be named instead of the peer."""
+        if isinstance(error, Aborted):
+            return str(error)
+        found = RUN_ABORT.reason
+        if found is None and self.watchdog is not None:
+            with contextlib.suppress(Exception):
+                found = self.watchdog.check(answer_timeout_s=5.0)
+        return found or str(error)
 
     def generate(self) -> tuple[RolloutBatch, list]:
         """Samples ``rollout.n`` responses to each of this step's prompts.
@@ -144,7 +193,6 @@ class Run:
         Colocated, the Megatron roles are off the device while vLLM generates, and back on it
         (vLLM asleep) when this returns.
         """
-        import ray
 
         from megarl.data.tokenize import tokenize_prompts
         from megarl.rewards.base import RewardInput
@@ -160,9 +208,8 @@ class Run:
                                   seed=self.cfg.seed * 100_003 + self.step)
         share = -(-len(prompts) // len(self.engines))
         parts = [prompts[i * share:(i + 1) * share] for i in range(len(self.engines))]
-        groups = [g for part in ray.get([e.generate.remote(p, sampling) for e, p in zip(self.engines, parts,
-                                                                                           strict=True) if p])
-                  for g in part]
+        calls = [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=True) if p]
+        groups = [g for part in wait_all(calls, self.cfg.trainer.step_timeout_s, "generation") for g in part]
         self._swap_out_of_rollout()
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8)
         inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[i].metadata,
@@ -191,16 +238,16 @@ class Run:
         up everything but the actor's weights, vLLM wakes its weights, the sync runs, vLLM's
         KV cache comes back, and the actor's weights leave once the check has used them.
         """
-        import ray
 
         sharing = self.colocated_roles()
         for name, role in sharing.items():
             self.offloaded_bytes += role.offload(("grads", "optimizer") if name == "actor" else offload_fns.PARTS)
+        timeout_s = self.cfg.trainer.collective_timeout_s
         if sharing:
-            ray.get([e.wake_up_weights.remote() for e in self.engines])
+            wait_all([e.wake_up_weights.remote() for e in self.engines], timeout_s, "vLLM's wake-up")
         self.sync_report = self.sync.sync()
         if sharing:
-            ray.get([e.wake_up_kv_cache.remote() for e in self.engines])
+            wait_all([e.wake_up_kv_cache.remote() for e in self.engines], timeout_s, "vLLM's wake-up")
         verified = self.verify_sync(batch) if batch is not None else {}
         if "actor" in sharing:
             self.offloaded_bytes += sharing["actor"].offload()
@@ -217,11 +264,10 @@ class Run:
 
     def _swap_out_of_rollout(self) -> None:
         """Colocated: vLLM sleeps (weights and KV cache freed on GPU) and the Megatron roles come back."""
-        import ray
 
         sharing = self.colocated_roles()
         if sharing:
-            ray.get([e.sleep.remote() for e in self.engines])
+            wait_all([e.sleep.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s, "vLLM's sleep")
             for role in sharing.values():
                 role.onload()
 
@@ -273,14 +319,22 @@ class Run:
         return MetricsLogger(self.run_dir, asdict(self.cfg), tensorboard=tr.tensorboard, wandb=tr.wandb,
                              resume_step=resume_step, run_name=self.cfg.name)
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops every process of the run. After a failure (``graceful=False``) nothing is asked
+        of the processes that may be blocked: vLLM's are killed, then the actors."""
         import ray
 
-        if self.sync is not None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.sync is not None and graceful:
             with contextlib.suppress(Exception):
                 self.sync.close()
+        if not graceful:  # the engines' watch thread answers even while generate() blocks
+            with contextlib.suppress(Exception):
+                ray.wait([e.kill_processes.remote() for e in self.engines], num_returns=len(self.engines),
+                         timeout=5.0)
         for role in self.roles.values():
-            role.shutdown()
+            role.shutdown(graceful=graceful)
         for engine in self.engines:
             with contextlib.suppress(Exception):
                 ray.kill(engine)
@@ -288,6 +342,7 @@ class Run:
         for group in {id(s.placement_group): s.placement_group for s in self.slots.values()}.values():
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group)
+        RUN_ABORT.reset()
 
 
 def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
+from megarl.utils.abort import RUN_ABORT
 from megarl.utils.cores import usable_cores
 from megarl.workers.state import RankContext, current_rank, set_current_rank, state
 
@@ -302,6 +303,11 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [address.pid for address in self.addresses]
 
+    @property
+    def actors(self) -> list[Any]:
+        """The ranks' Ray actor handles, in rank order (for liveness checks)."""
+        return list(self._actors)
+
     def run(self, fn: Callable[..., Any], /, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Calls ``fn(**kwargs)`` on every rank; returns the results in rank order."""
         return self.submit(fn, **kwargs).result(timeout_s)
@@ -349,6 +355,9 @@ class WorkerGroup:
         results: dict[int, Any] = {}
         failures: dict[int, tuple[bool, str]] = {}  # rank -> (process died, detail), in arrival order
         while pending:
+            # A watchdog that saw a process this call may depend on die ends the wait: the ranks
+            # may be blocked in a collective with it forever.
+            RUN_ABORT.check()
             wait_s = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
             for ref in ready:

@@ -1,0 +1,107 @@
+"""A hang detector that does not wait for the step timeout: the liveness of every process a run
+depends on, checked every few seconds from a thread of the driver.
+
+What it watches:
+- each rank of each Megatron group (actor, critic, reference, reward model): its Ray actor's
+  state in Ray's control store, which turns DEAD as soon as the process is gone, whether the
+  rank was busy in a collective or idle between calls;
+- each rollout engine: its Ray actor the same way, and the vLLM processes beneath it (engine
+  core, workers), through the engine's ``health()`` (answered from a second thread of the
+  engine actor, so a blocked ``generate`` or weight sync does not delay it). An engine that
+  does not answer within ``answer_timeout_s`` counts as hung.
+
+On the first death it trips the run's abort signal with one line naming the role, the rank or
+engine, and the process; every driver-side wait raises it within a second (megarl.utils.abort).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.utils.abort import RUN_ABORT, AbortSignal
+from megarl.workers.group import WorkerGroup
+
+
+@dataclass(frozen=True)
+class _Watched:
+    label: str  # "role 'actor' rank 1", "rollout engine 0"
+    actor: Any  # Ray actor handle
+    group: WorkerGroup | None = None  # None for an engine
+    engine: bool = False
+
+
+def _actor_states() -> dict[str, str]:
+    """Ray actor id (hex) -> state, for every actor Ray knows (one control-store query)."""
+    from ray._private import state  # no public equivalent that works without the dashboard
+
+    return {actor_id: info.get("State", "") for actor_id, info in state.actors().items()}
+
+
+class Watchdog:
+    def __init__(self, abort: AbortSignal = RUN_ABORT, interval_s: float = 2.0, answer_timeout_s: float = 30.0):
+        self.abort = abort
+        self.interval_s = interval_s
+        self.answer_timeout_s = answer_timeout_s
+        self._watched: list[_Watched] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch_group(self, group: WorkerGroup) -> None:
+        for rank, actor in enumerate(group.actors):
+            self._watched.append(_Watched(f"role {group.role!r} rank {rank} (pid {group.pids[rank]})", actor, group))
+
+    def watch_engine(self, index: int, engine: Any) -> None:
+        self._watched.append(_Watched(f"rollout engine {index}", engine, engine=True))
+
+    # -- checking -----------------------------------------------------------------------------
+
+    def check(self, answer_timeout_s: float | None = None) -> str | None:
+        """One look at everything watched: the first death found, as one line, or None."""
+        import ray
+
+        answer_timeout_s = self.answer_timeout_s if answer_timeout_s is None else answer_timeout_s
+        states = _actor_states()
+        for w in self._watched:
+            if w.group is not None and not w.group.alive:
+                continue  # torn down on purpose (its own failure was reported by the call that saw it)
+            if states.get(w.actor._actor_id.hex()) == "DEAD":
+                return f"{w.label}: its process died (killed, crashed or out of memory)"
+        engines = [w for w in self._watched if w.engine]
+        if not engines:
+            return None
+        refs = [w.actor.health.remote() for w in engines]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=answer_timeout_s)
+        for w, ref in zip(engines, refs, strict=True):
+            if ref not in ready:
+                return f"{w.label}: did not answer a liveness check within {answer_timeout_s:.0f} s"
+            try:
+                health = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return f"{w.label}: its process died (killed, crashed or out of memory)"
+            if health.dead:
+                return f"{w.label}: vLLM's {health.dead[0].describe()}"
+        return None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                reason = self.check()
+            except Exception as error:  # Ray shutting down under us: nothing left to watch
+                if self._stop.is_set():
+                    return
+                reason = f"the watchdog could not check the run's processes: {error}"
+            if reason is not None:
+                self.abort.trip(reason)
+                return
+
+    def start(self) -> Watchdog:
+        self._thread = threading.Thread(target=self._loop, name="megarl-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.answer_timeout_s + self.interval_s)
