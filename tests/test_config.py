@@ -31,7 +31,7 @@ LLAMA = {
     "vocab_size": 100,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 2048,  # room for the default rollout.max_model_len (1024)
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
@@ -259,7 +259,7 @@ def test_bad_yaml_files(tmp_path):
         load_config(RunConfig, listed)
     broken = tmp_path / "broken.yaml"
     broken.write_text("actor: [1, 2\n")
-    with pytest.raises(ConfigError, match=r"broken\.yaml: invalid YAML"):
+    with pytest.raises(ConfigError, match=r"broken\.yaml:2:1: invalid YAML: while parsing a flow sequence"):
         load_config(RunConfig, broken)
 
 

@@ -51,12 +51,44 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+# Options of the benchmarks that count or size something (lists: each entry); a zero divides or
+# starts an empty group of ranks, so they are refused before any rank starts.
+_AT_LEAST = {"train_tp": 1, "train_pp": 1, "rollout_tp": 1, "repeats": 1, "steps": 1, "rounds": 1, "threads": 1,
+             "batch": 1, "seq": 1, "hidden": 1, "layers": 1, "heads": 1, "ffn": 1, "vocab": 1, "seq_len": 1,
+             "micro_batch": 1, "global_batch": 1, "vocab_pad_multiple": 1, "ranks": 1, "tp": 1, "warmup": 0}
+_POSITIVE = ("bucket_mb", "tolerance")
+
+
+def count_errors(args: argparse.Namespace) -> list[str]:
+    """'--flag=value must be ...' for every counting option of ``args`` out of range."""
+    errors = []
+    for dest, value in vars(args).items():
+        flag = "--" + dest.replace("_", "-")
+        values = value if isinstance(value, list | tuple) else [value]
+        if dest in _AT_LEAST:
+            bad = [v for v in values if isinstance(v, int) and v < _AT_LEAST[dest]]
+            if bad:
+                errors.append(f"{flag}={bad[0]} must be >= {_AT_LEAST[dest]}")
+        elif dest in _POSITIVE and isinstance(value, int | float) and not 0 < value < float("inf"):
+            errors.append(f"{flag}={value} must be > 0")
+    return errors
+
+
+def _one_line(message: str) -> str:
+    """'header:\n  problem' with a single problem reads as one line."""
+    lines = message.splitlines()
+    return f"{lines[0]} {lines[1].strip()}" if len(lines) == 2 and lines[1].startswith("  ") else message
+
+
 def main(args: argparse.Namespace) -> int:
     from megarl.config.loader import ConfigError
     from megarl.models.hf_arch import ArchError
 
     try:
+        errors = count_errors(args)
+        if errors:
+            raise ConfigError("invalid benchmark:\n  " + "\n  ".join(errors))
         return args.run(args)
-    except (ConfigError, ArchError, FileNotFoundError) as e:
-        print(f"megarl bench: error: {e}", file=sys.stderr)
+    except (ConfigError, ArchError, OSError) as e:
+        print(f"megarl bench: error: {_one_line(str(e))}", file=sys.stderr)
         return 2

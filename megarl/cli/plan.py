@@ -56,6 +56,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=main)
 
 
+# (flag, argparse dest, allowed interval): a zero here would divide the memory and time models
+_RANGES = (
+    ("--prompts", "prompts", "[1, inf)"), ("--n", "n", "[1, inf)"), ("--prompt-len", "prompt_len", "[1, inf)"),
+    ("--response-len", "response_len", "[1, inf)"), ("--mean-response-len", "mean_response_len", "(0, inf)"),
+    ("--minibatches", "minibatches", "[1, inf)"), ("--micro-batch", "micro_batch", "[1, inf)"),
+    ("--max-num-seqs", "max_num_seqs", "[1, inf)"), ("--gpus-per-node", "gpus_per_node", "[1, inf)"),
+    ("--gpu-memory-gib", "memory_gib", "(0, inf)"), ("--gpu-tflops", "bf16_tflops", "(0, inf)"),
+    ("--hbm-gbps", "hbm_gbps", "(0, inf)"), ("--nvlink-gbps", "nvlink_gbps", "(0, inf)"),
+    ("--interconnect-gbps", "interconnect_gbps", "(0, inf)"), ("--pcie-gbps", "pcie_gbps", "(0, inf)"),
+    ("--train-mfu", "train_mfu", "(0, 1]"), ("--prefill-mfu", "prefill_mfu", "(0, 1]"),
+    ("--hbm-efficiency", "hbm_efficiency", "(0, 1]"), ("--link-efficiency", "link_efficiency", "(0, 1]"),
+    ("--moe-mfu-factor", "moe_mfu_factor", "(0, 1]"), ("--overhead-gib", "overhead_gib", "[0, inf)"),
+    ("--decode-step-ms", "decode_step_ms", "[0, inf)"),
+    ("--cpu-adam-params-per-s", "cpu_adam_params_per_s", "(0, inf)"),
+)
+
+
+def range_problem(args: argparse.Namespace) -> str | None:
+    """The first option out of its range, as '--flag=value must be ...'; None when all are fine."""
+    from megarl.config.validate import out_of_range
+
+    for flag, dest, interval in _RANGES:
+        problem = out_of_range(flag, getattr(args, dest, None), interval)
+        if problem:
+            return problem
+    return None
+
+
 def _model(spec: str):
     """(architecture, recipe or None) for --model."""
     from megarl.config.loader import load_config
@@ -72,6 +100,9 @@ def _model(spec: str):
 
 
 def main(args: argparse.Namespace) -> int:
+    if problem := range_problem(args):
+        print(f"megarl plan: error: {problem}", file=sys.stderr)
+        return 2
     from dataclasses import replace
 
     from megarl.config.loader import ConfigError

@@ -3,6 +3,11 @@
 ``load_config(RunConfig, "recipe.yaml", ["actor.parallel.tp=4"])``. Every key is
 checked against the dataclass fields: an unknown key, or a value of the wrong
 type, raises ConfigError naming the dotted field (and the file).
+
+Recipes are read strictly: UTF-8 only, a duplicate key is an error (YAML would let
+the second ``actor:`` block silently win), and anchors/aliases may not expand the
+document past ``MAX_YAML_NODES`` values (a 1 KB "billion laughs" recipe would
+otherwise take gigabytes once the loader and ``--check`` walk it).
 """
 
 from __future__ import annotations
@@ -19,9 +24,106 @@ import yaml
 
 T = TypeVar("T")
 
+# A recipe is a page of settings; these bounds only stop hostile or broken files early.
+MAX_RECIPE_BYTES = 2**20
+MAX_YAML_NODES = 100_000  # values after alias expansion (a real recipe has a few hundred)
+
 
 class ConfigError(ValueError):
     """A bad configuration; the message names the dotted field."""
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """A document the strict loader refuses (duplicate key, alias bomb); carries its position."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys in a mapping."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                # `<<` merge keys may repeat and be overridden; only explicit keys must be unique
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue
+                if first is not None:
+                    raise _Refused(None, None, f"duplicate key {key!r} (first at line {first}); a repeated key "
+                                   "would silently replace the first one", key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """Values in the document with every alias expanded; raises _Refused past MAX_YAML_NODES."""
+    sizes: dict[int, int] = {}  # aliases share nodes: each distinct node is sized once
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise _Refused(None, None, "an alias refers to a node that contains it (recursive alias)",
+                           node.start_mark)
+        active.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_YAML_NODES:
+                raise _Refused(None, None, f"the document holds more than {MAX_YAML_NODES} values once its "
+                               "anchors and aliases are expanded; a recipe is a page of settings", node.start_mark)
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def _yaml_problem(e: yaml.YAMLError, source: str, one_line: bool) -> str:
+    """'SOURCE:LINE:COLUMN: problem' ('SOURCE: column N: problem' for a one-line text), on one line."""
+    if isinstance(e, _Refused):
+        mark, what = e.problem_mark, e.problem
+    elif isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark, what = e.problem_mark, "invalid YAML: " + ", ".join(part for part in (e.context, e.problem) if part)
+    elif isinstance(e, yaml.reader.ReaderError):
+        return f"{source}: invalid YAML: unacceptable character #x{e.character:04x} at character {e.position}"
+    else:
+        return f"{source}: invalid YAML: " + " ".join(str(e).split())
+    if one_line:
+        return f"{source}: column {mark.column + 1}: {what}"
+    return f"{source}:{mark.line + 1}:{mark.column + 1}: {what}"
+
+
+def load_yaml_text(text: str, source: str, one_line: bool = False) -> Any:
+    """Parses one YAML document strictly. Errors are ConfigError 'SOURCE:LINE:COLUMN: problem'
+    ('SOURCE: column N: problem' with ``one_line``, for a command-line value)."""
+    loader = None
+    try:
+        loader = _StrictLoader(text)  # the reader refuses control characters here
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_problem(e, source, one_line)) from None
+    except RecursionError:  # the composer recurses once per nesting level
+        raise ConfigError(f"{source}: nested too deeply to be a recipe") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -93,6 +195,8 @@ def _build(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
+        if not isinstance(key, str):
+            raise ConfigError(f"{where or 'the top level'}: key {key!r} is not a field name")
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f" (did you mean {'.'.join(filter(None, [where, close[0]]))!r}?)" if close else ""
@@ -122,20 +226,32 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key")
-    try:
-        return key, yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: cannot parse value: {e}") from e
+    return key, load_yaml_text(raw, f"override {text!r}: cannot parse value", one_line=True) if raw.strip() else ""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory")
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        with path.open("rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_RECIPE_BYTES // 2**20} MiB; a recipe is a page "
+                          "of settings (put data in data.source)")
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark is harmless
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the recipe as "
+                          "UTF-8") from None
+    data = load_yaml_text(text, str(path))
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data

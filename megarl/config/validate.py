@@ -128,6 +128,9 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
     from megarl.convert.checkpoint import read_model_arch  # reads HF dirs and megarl checkpoints
 
     platform = platform or current_platform()
+    # Ranges first, and alone: the checks below divide by sizes and step counts, and would only
+    # restate an out-of-range value as a layout or batch problem.
+    _refuse(range_errors(cfg) + output_dir_errors(cfg.output_dir))
     errors: list[str] = []
     archs: dict[str, ModelArch] = {}
     for name, role in cfg.roles().items():
@@ -156,6 +159,8 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
                               + "; ".join(arch.mismatches(declared)))
                 continue
             arch = arch or declared
+        else:
+            errors += weights_errors(name, role.model.path, arch)
         archs[name] = arch
         errors += parallel_errors(arch, role.parallel, f"{name}.parallel")
         errors += precision_errors(role.precision, f"{name}.precision", platform)
@@ -165,9 +170,18 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
             errors.append(f"{name}.model.vocab_pad_multiple must be >= 1")
     if "actor" in archs and not errors:  # the RL checks assume sane layouts (dp > 0)
         errors += rl_errors(cfg, archs["actor"])
+        errors += rollout_fit_errors(cfg, archs["actor"], platform)
+        if not errors:  # reads the whole dataset: only once the rest is known to be sound
+            errors += data_errors(cfg)
+    _refuse(errors)
+    return archs
+
+
+def _refuse(errors: list[str]) -> None:
+    if len(errors) == 1:  # one problem, one line
+        raise ConfigError(f"invalid configuration: {errors[0]}")
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    return archs
 
 
 def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
@@ -177,6 +191,8 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
     from megarl.algorithms import AGGREGATION_MODES, KL_ESTIMATORS
     from megarl.cluster.placement import placement_errors
     from megarl.reshard.vllm_layout import vllm_padded_vocab
+    from megarl.rewards.extract import resolve_extractor
+    from megarl.rewards.remote import url_problem
     from megarl.trainer.advantages import ALGORITHMS
     from megarl.trainer.rewards import REWARD_KINDS
 
@@ -198,8 +214,16 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
             errors.append(f"rewards[{i}].kind={term.kind!r} must be one of {', '.join(REWARD_KINDS)}")
         if term.kind == "model" and cfg.reward_model is None:
             errors.append(f"rewards[{i}].kind='model' needs a reward_model role")
-        if term.kind == "remote" and not term.url:
-            errors.append(f"rewards[{i}].url is required for a remote reward")
+        if term.kind == "remote":
+            problem = url_problem(term.url) if term.url else "is required for a remote reward"
+            if problem:
+                errors.append(f"rewards[{i}].url={term.url!r} {problem}" if term.url else
+                              f"rewards[{i}].url {problem}")
+        if term.kind in TEXT_REWARD_KINDS:
+            try:
+                resolve_extractor(term.extractor)
+            except ValueError as e:
+                errors.append(f"rewards[{i}].extractor: {e}")
     if not cfg.rewards:
         errors.append("rewards: at least one reward term is needed")
     if actor.num_heads % rollout.tp or vllm_padded_vocab(actor.vocab_size) % rollout.tp:
@@ -222,6 +246,11 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
             errors.append(f"{name}: {sequences} sequences per step (data.prompts_per_step x rollout.n) must split "
                           f"over dp={dp} ranks into {steps} minibatch(es)"
                           + (f" of micro_batch_size={role.micro_batch_size}" if fixed > 1 else ""))
+    if rollout.dtype not in DTYPES:
+        errors.append(f"rollout.dtype={rollout.dtype!r} must be one of {', '.join(DTYPES)}")
+    if algo.overlong_buffer > rollout.max_tokens:
+        errors.append(f"algorithm.overlong_buffer={algo.overlong_buffer} is longer than the responses "
+                      f"(rollout.max_tokens={rollout.max_tokens})")
     if data.source.startswith("reasoning_gym:"):
         import reasoning_gym
 
@@ -235,3 +264,197 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
     if cfg.trainer.resume not in ("auto", "never"):
         errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
     return errors + placement_errors(cfg)
+
+
+# --------------------------------------------------------------------------- ranges and inputs
+
+TEXT_REWARD_KINDS = ("reasoning_gym", "math_verify", "format")  # the rewards that read an answer extractor
+VALUE_HEAD_ROLES = ("critic", "reward_model")  # loaded with a one-output `score` head
+
+
+def out_of_range(field: str, value: float | None, interval: str) -> str | None:
+    """'field=value must be ...' when ``value`` is not a finite number in ``interval`` ('(0, 1]', '[1, inf)')."""
+    if value is None:
+        return None
+    low_text, high_text = (part.strip() for part in interval[1:-1].split(","))
+    low, high = float(low_text), float(high_text)
+    low_open, high_open = interval[0] == "(", interval[-1] == ")"
+    inside = (math.isfinite(value) and (low < value if low_open else low <= value)
+              and (value < high if high_open else value <= high))
+    if inside:
+        return None
+    if not math.isinf(high):
+        wanted = f"in {interval}"
+    elif math.isinf(low):
+        wanted = "a finite number"
+    else:
+        wanted = ("a finite number " if not math.isfinite(value) else "") + f"{'>' if low_open else '>='} {low_text}"
+    return f"{field}={value} must be {wanted}"
+
+
+def range_errors(cfg: RunConfig) -> list[str]:
+    """Sizes, counts, rates and probabilities outside their domain; no model is read."""
+    checks: list[tuple[str, float | None, str]] = []
+    for name, role in cfg.roles().items():
+        par, opt = role.parallel, role.optim
+        checks += [
+            (f"{name}.parallel.world_size", par.world_size, "[1, inf)"),
+            (f"{name}.parallel.dp", par.dp, "[1, inf)"),
+            (f"{name}.micro_batch_size", role.micro_batch_size, "[1, inf)"),
+            (f"{name}.cpus_per_rank", role.cpus_per_rank, "(0, inf)"),
+            (f"{name}.gpus_per_rank", role.gpus_per_rank, "(0, inf)"),
+            (f"{name}.precision.fp8_amax_history_len", role.precision.fp8_amax_history_len, "[1, inf)"),
+            (f"{name}.optim.lr", opt.lr, "[0, inf)"),
+            (f"{name}.optim.weight_decay", opt.weight_decay, "[0, inf)"),
+            (f"{name}.optim.adam_beta1", opt.adam_beta1, "[0, 1)"),
+            (f"{name}.optim.adam_beta2", opt.adam_beta2, "[0, 1)"),
+            (f"{name}.optim.adam_eps", opt.adam_eps, "(0, inf)"),
+            (f"{name}.optim.clip_grad", opt.clip_grad, "[0, inf)"),
+            (f"{name}.optim.warmup_steps", opt.warmup_steps, "[0, inf)"),
+        ]
+    r, data, algo, tr = cfg.rollout, cfg.data, cfg.algorithm, cfg.trainer
+    checks += [
+        ("rollout.tp", r.tp, "[1, inf)"),
+        ("rollout.engines", r.engines, "[1, inf)"),
+        ("rollout.max_model_len", r.max_model_len, "[1, inf)"),
+        ("rollout.max_num_seqs", r.max_num_seqs, "[1, inf)"),
+        ("rollout.kv_cache_gib", r.kv_cache_gib, "[1, inf)"),
+        ("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "(0, 1]"),
+        # 0 would be greedy decoding: the n samples of a group would all be the same
+        ("rollout.temperature", r.temperature, "(0, inf)"),
+        ("rollout.top_p", r.top_p, "(0, 1]"),
+        ("rollout.top_k", r.top_k, "[-1, inf)"),
+        ("rollout.max_tokens", r.max_tokens, "[1, inf)"),
+        ("rollout.n", r.n, "[1, inf)"),
+        ("data.size", data.size, "[1, inf)"),
+        ("data.prompts_per_step", data.prompts_per_step, "[1, inf)"),
+        ("data.max_prompt_len", data.max_prompt_len, "[1, inf)"),
+        ("algorithm.kl_coef", algo.kl_coef, "[0, inf)"),
+        ("algorithm.clip_low", algo.clip_low, "[0, 1)"),  # the ratio's lower bound 1 - clip_low stays > 0
+        ("algorithm.clip_high", algo.clip_high, "[0, inf)"),
+        ("algorithm.dual_clip", algo.dual_clip, "(1, inf)"),  # the dual bound c > 1 (Ye et al. 2020)
+        ("algorithm.entropy_coef", algo.entropy_coef, "(-inf, inf)"),
+        ("algorithm.gamma", algo.gamma, "[0, 1]"),
+        ("algorithm.lam", algo.lam, "[0, 1]"),
+        ("algorithm.value_clip", algo.value_clip, "(0, inf)"),
+        ("algorithm.ppo_epochs", algo.ppo_epochs, "[1, inf)"),
+        ("algorithm.minibatches", algo.minibatches, "[1, inf)"),
+        ("algorithm.overlong_buffer", algo.overlong_buffer, "[0, inf)"),
+        ("algorithm.overlong_penalty", algo.overlong_penalty, "[0, inf)"),
+        ("trainer.steps", tr.steps, "[1, inf)"),
+        ("trainer.save_every", tr.save_every, "[0, inf)"),
+        ("trainer.verify_tolerance", tr.verify_tolerance, "(0, inf)"),
+        ("trainer.bucket_mib", tr.bucket_mib, "(0, inf)"),
+        ("trainer.step_timeout_s", tr.step_timeout_s, "(0, inf)"),
+        ("trainer.collective_timeout_s", tr.collective_timeout_s, "(0, inf)"),
+    ]
+    for i, term in enumerate(cfg.rewards):
+        checks += [
+            (f"rewards[{i}].weight", term.weight, "(-inf, inf)"),
+            (f"rewards[{i}].timeout_s", term.timeout_s, "(0, inf)"),
+            (f"rewards[{i}].max_retries", term.max_retries, "[0, inf)"),
+            (f"rewards[{i}].max_concurrency", term.max_concurrency, "[1, inf)"),
+        ]
+    errors = [problem for field, value, interval in checks if (problem := out_of_range(field, value, interval))]
+    if data.source.startswith("reasoning_gym:") and data.size >= 1 and data.prompts_per_step > data.size:
+        errors.append(f"data.prompts_per_step={data.prompts_per_step} is more than the data.size={data.size} "
+                      "prompts generated")
+    if data.source.startswith("reasoning_gym:") and data.instruction and "{question}" not in data.instruction:
+        errors.append(f"data.instruction={data.instruction!r} must contain {{question}}")
+    return errors
+
+
+def output_dir_errors(output_dir: str) -> list[str]:
+    """An output_dir that cannot become a directory (it, or a folder above it, is a file)."""
+    from pathlib import Path
+
+    if not output_dir.strip():
+        return ["output_dir is empty"]
+    path = Path(output_dir)
+    for parent in (path, *path.parents):
+        if parent.exists() and not parent.is_dir():
+            what = "is a file" if parent == path else f"is under {parent}, which is a file"
+            return [f"output_dir={output_dir!r} {what}, not a directory"]
+        if parent.exists():
+            break
+    return []
+
+
+def weights_errors(name: str, path: str, arch: ModelArch) -> list[str]:
+    """An HF folder whose safetensors do not hold the tensors its config.json describes.
+
+    The ranks would fail on the first missing or misshaped tensor while loading, after Ray
+    and vLLM started; the headers are read here instead (a few KB, no tensor data).
+    """
+    from megarl.convert.checkpoint import is_megarl_checkpoint
+    from megarl.models.bundled import resolve_model_path
+
+    folder = resolve_model_path(path)
+    if is_megarl_checkpoint(folder) or not ((folder / "model.safetensors").is_file()
+                                           or (folder / "model.safetensors.index.json").is_file()):
+        return []  # a megarl checkpoint (its megarl.json is the architecture), or no weights to compare
+    from megarl.convert.hf_io import HFReader
+    from megarl.convert.mapping import hf_tensor_shapes
+
+    try:
+        reader = HFReader(folder)
+    except (ArchError, OSError, ValueError, KeyError) as e:
+        return [f"{name}.model.path: {' '.join(str(e).split())}"]
+    try:
+        problems = []
+        present = set(reader.names())
+        for tensor, shape in hf_tensor_shapes(arch, value_head=name in VALUE_HEAD_ROLES).items():
+            if tensor not in present:
+                problems.append(f"{tensor} is missing")
+            elif tuple(reader.shape(tensor)) != shape:
+                problems.append(f"{tensor} is {list(reader.shape(tensor))}, config.json says {list(shape)}")
+    finally:
+        reader.close()
+    if not problems:
+        return []
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return [f"{name}.model.path: the weights in {folder} do not match its config.json: "
+            + "; ".join(problems[:3]) + more]
+
+
+def rollout_fit_errors(cfg: RunConfig, actor: ModelArch, platform: Platform) -> list[str]:
+    """Sequence lengths the model or (on CPU) vLLM's KV cache cannot hold; vLLM itself refuses them at start."""
+    r, errors = cfg.rollout, []
+    rope = actor.rope
+    # vLLM derives the longest context from max_position_embeddings, times the factor of linear scaling
+    limit = actor.max_position_embeddings * (rope.factor if rope.kind == "linear" else 1.0)
+    if r.max_model_len > limit:
+        errors.append(f"rollout.max_model_len={r.max_model_len} is longer than the model's {int(limit)} positions "
+                      "(max_position_embeddings in its config.json)")
+    if not platform.is_gpu:
+        kv_heads = max(1, actor.num_kv_heads // r.tp)
+        per_token = 2 * actor.num_layers * kv_heads * actor.head_dim * (4 if r.dtype == "float32" else 2)
+        if r.kv_cache_gib * 2**30 < r.max_model_len * per_token:
+            errors.append(f"rollout.kv_cache_gib={r.kv_cache_gib} does not hold one sequence of rollout.max_model_len="
+                          f"{r.max_model_len} tokens ({r.max_model_len * per_token / 2**30:.1f} GiB of KV cache)")
+    return errors
+
+
+def data_errors(cfg: RunConfig) -> list[str]:
+    """The prompts, read as the run will read them: every row of a file, or reasoning-gym's task options."""
+    data = cfg.data
+    if data.source.startswith("reasoning_gym:"):
+        import reasoning_gym
+
+        task = data.source.split(":", 1)[1]
+        try:
+            # one entry: the task's own config checks run on construction
+            reasoning_gym.create_dataset(task, size=1, seed=data.seed, **data.task_config)
+        except Exception as e:  # noqa: BLE001 - a third-party task refuses its options with any exception type
+            return [f"data.task_config: reasoning-gym task {task!r} refuses it: {' '.join(str(e).split())}"]
+        return []
+    from megarl.data.prompts import load_prompts
+
+    try:
+        items = load_prompts(data.source, prompt_key=data.prompt_key)
+    except (ValueError, OSError, ImportError) as e:
+        return [f"data.source: {' '.join(str(e).split())}"]
+    if len(items) < data.prompts_per_step:
+        return [f"data.prompts_per_step={data.prompts_per_step} is more than the {len(items)} prompts in "
+                f"{data.source}"]
+    return []

@@ -82,15 +82,21 @@ def load_jsonl(path: str | Path, prompt_key: str | None = "prompt", messages_key
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     items = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is named by its number
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not UTF-8 (byte 0x{exc.object[exc.start]:02x})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply") from None
             items.append(_row_to_item(row, where, prompt_key, messages_key, metadata_keys))
     if not items:
         raise ValueError(f"prompt file {path} has no rows")

@@ -15,16 +15,21 @@ reject will be rejected again):
   before the next one; after ``1 + max_retries`` attempts the error names the URL
   and the last failure.
 
-``timeout_s`` bounds connecting and each socket read (``http.client`` semantics), so
-a server that never answers costs at most ``(1 + max_retries) * timeout_s`` plus the
-backoff sleeps. Standard library only; environment proxies are not used (reward
-services are internal endpoints, and a stray ``http_proxy`` must not reroute them).
+``timeout_s`` bounds each attempt as a whole (connect, send, headers and body): a
+watchdog shuts the socket at the deadline, so a server that trickles its answer a byte
+at a time cannot hold a call past it, and a server that never answers costs at most
+``(1 + max_retries) * timeout_s`` plus the backoff sleeps. An answer larger than
+``max_response_bytes`` is refused (not retried) without reading the rest. Standard
+library only; environment proxies are not used (reward services are internal
+endpoints, and a stray ``http_proxy`` must not reroute them).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
+import socket
 import threading
 import time
 import urllib.parse
@@ -33,6 +38,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.rewards.base import RewardInput, check_rewards
+
+DEFAULT_MAX_RESPONSE_BYTES = 8 * 2**20  # an answer is ~20 bytes per sample; this is a server gone wrong
+
+
+def url_problem(url: object) -> str | None:
+    """What makes ``url`` unusable as a reward endpoint, or None (checked at config time too)."""
+    if not isinstance(url, str):
+        return f"must be a string, got {type(url).__name__}"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "must not contain spaces or control characters"
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be http(s)://host[:port]/path"
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError:
+        return "has a port outside 0-65535"
+    if parts.username is not None or parts.password is not None:
+        return "must not carry credentials (user:password@); pass them as headers"
+    return None
 
 
 class RemoteRewardError(RuntimeError):
@@ -53,17 +78,19 @@ class RemoteRewardStats:
 class RemoteReward:
     def __init__(self, url: str, timeout_s: float = 30.0, max_retries: int = 3, backoff_s: float = 0.5,
                  max_concurrency: int = 4, batch_size: int = 64, max_backoff_s: float = 30.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> None:
+        problem = url_problem(url)
+        if problem:
+            raise ValueError(f"RemoteReward: url {problem}, got {url!r}")
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"RemoteReward: url must be http(s)://host[:port]/path, got {url!r}")
-        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        if not isinstance(timeout_s, int | float) or not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"RemoteReward: timeout_s must be a positive number, got {timeout_s!r}")
         for name, value in (("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
-            if not isinstance(value, int | float) or not value >= 0:
+            if not isinstance(value, int | float) or not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"RemoteReward: {name} must be a non-negative number, got {value!r}")
         for name, value, minimum in (("max_retries", max_retries, 0), ("max_concurrency", max_concurrency, 1),
-                                     ("batch_size", batch_size, 1)):
+                                     ("batch_size", batch_size, 1), ("max_response_bytes", max_response_bytes, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"RemoteReward: {name} must be an integer >= {minimum}, got {value!r}")
         self.url = url
@@ -73,6 +100,7 @@ class RemoteReward:
         self.max_backoff_s = float(max_backoff_s)
         self.max_concurrency = max_concurrency
         self.batch_size = batch_size
+        self.max_response_bytes = max_response_bytes
         self.headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
         self._https = parts.scheme == "https"
         self._host = parts.hostname
@@ -135,18 +163,43 @@ class RemoteReward:
 
     def _post_once(self, body: bytes, count: int, start: int) -> list[float]:
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        # The socket timeout bounds each read, not the attempt: a peer that sends a byte just
+        # inside it keeps the call alive for ever. The watchdog shuts the socket at the deadline.
         conn = cls(self._host, self._port, timeout=self.timeout_s)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read with EOF or an error
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(self.timeout_s, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        timed_out = _Retryable(f"timed out after {self.timeout_s:g} s")
         try:
             try:
+                conn.connect()
+                if expired.is_set():  # the deadline passed while connecting, before there was a socket to shut
+                    raise timed_out
                 conn.request("POST", self._path, body=body, headers=self.headers)
                 response = conn.getresponse()
-                data = response.read()
+                data = self._read_capped(response, count, start)
             except TimeoutError as exc:
                 raise _Retryable(f"timed out after {self.timeout_s:g} s ({exc})") from exc
             except (OSError, http.client.HTTPException) as exc:
+                if expired.is_set():
+                    raise timed_out from exc
                 # OSError covers refused/reset connections; HTTPException a peer that hung up mid-answer.
                 raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            if expired.is_set():  # a body cut short by the watchdog can look complete (no Content-Length)
+                raise timed_out
         finally:
+            watchdog.cancel()
             conn.close()
         status = response.status
         if status >= 500 or status == 429:
@@ -156,10 +209,27 @@ class RemoteReward:
                                     f"{start}..{start + count - 1} (not retried): {_snippet(data)}")
         return self._decode(data, count, start)
 
+    def _read_capped(self, response: http.client.HTTPResponse, count: int, start: int) -> bytes:
+        """The body, refusing one longer than max_response_bytes before reading past the limit."""
+        cap = self.max_response_bytes
+        too_large = RemoteRewardError(f"remote reward {self.url}: the answer for samples {start}..{start + count - 1} "
+                                      f"is larger than {cap} bytes (max_response_bytes); not retried")
+        if response.length is not None and response.length > cap:  # the declared Content-Length
+            raise too_large
+        chunks, size = [], 0
+        while chunk := response.read(min(65536, cap + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > cap:
+                raise too_large
+        return b"".join(chunks)
+
     def _decode(self, data: bytes, count: int, start: int) -> list[float]:
         where = f"remote reward {self.url} (samples {start}..{start + count - 1})"
         try:
             answer: Any = json.loads(data)
+        except RecursionError:
+            raise RemoteRewardError(f"{where}: response nests too deeply to be rewards") from None
         except ValueError as exc:
             raise RemoteRewardError(f"{where}: response is not JSON ({exc}): {_snippet(data)}") from exc
         if not isinstance(answer, dict) or "rewards" not in answer:
