@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
+import traceback
 from pathlib import Path
 
 DESCRIPTION = """Runs RLHF: rollout in vLLM, actor/critic/reference/reward as Megatron groups on Ray.
@@ -64,16 +66,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"megarl train: error: output_dir={cfg.output_dir!r}: {e.strerror or e}", file=sys.stderr)
         return 2
     from megarl.trainer.loop import train
-    from megarl.trainer.run import RunFailed
 
     print(f"megarl train: {cfg.name} -> {out}  ({cfg.algorithm.name}, {cfg.trainer.steps} steps)", flush=True)
     try:
         history = train(cfg)
-    except RunFailed as e:
-        print(f"megarl train: failed: {e}", file=sys.stderr)
+    except Exception as e:
+        print(f"megarl train: failed: {_one_line(e)}", file=sys.stderr)
+        detail = out / "failure.log"
+        detail.write_text("".join(traceback.format_exception(e)))
+        print(f"megarl train: the full error is in {detail}", file=sys.stderr)
         return 1
     _summary(history)
     return 0
+
+
+def _one_line(error: Exception) -> str:
+    """The head of an error (a rank's or vLLM's traceback follows it), without terminal colour codes."""
+    head = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", head)
 
 
 def _summary(history: list[dict]) -> None:

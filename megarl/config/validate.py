@@ -347,6 +347,7 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("trainer.bucket_mib", tr.bucket_mib, "(0, inf)"),
         ("trainer.step_timeout_s", tr.step_timeout_s, "(0, inf)"),
         ("trainer.collective_timeout_s", tr.collective_timeout_s, "(0, inf)"),
+        ("trainer.watchdog_interval_s", tr.watchdog_interval_s, "(0, inf)"),
     ]
     for i, term in enumerate(cfg.rewards):
         checks += [
