@@ -22,15 +22,19 @@ class _Remote:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def model(tmp_path_factory):
+    return build_tiny_hf("llama", tmp_path_factory.mktemp("rollout") / "llama", hidden_size=128,
+                         intermediate_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.fixture(scope="module")
+def engine(model):
     import ray
 
     from megarl.cluster.ray_env import ensure_ray
     from megarl.rollout.remote import start_engine, wait_ready
 
     ensure_ray()
-    model = build_tiny_hf("llama", tmp_path_factory.mktemp("rollout") / "llama", hidden_size=128,
-                          intermediate_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     handle = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=8)
     wait_ready([handle])
     yield _Remote(handle)
@@ -65,3 +69,25 @@ def test_stop_tokens_seed_and_greedy(engine):
     a = engine.generate([[4, 5]], SamplingConfig(temperature=1.0, max_tokens=10, seed=7))[0][0].response_ids
     b = engine.generate([[4, 5]], SamplingConfig(temperature=1.0, max_tokens=10, seed=7))[0][0].response_ids
     assert a == b
+
+
+def test_sample_logprobs_are_the_tempered_policys_as_the_trainer_scores_it(engine, model):
+    """At T = 0.7 the tokens come from softmax(logits / 0.7): vLLM reports their log-probs under it,
+    and a Megatron rank scoring the batch (as the actor and reference do) uses the same T."""
+    from megarl.config.schema import ParallelConfig
+    from megarl.trainer.batch import build_batch
+    from megarl.workers import WorkerGroup, megatron_model, rl_fns
+
+    out = engine.generate([[1, 2, 3, 4, 5], [9, 8, 7]], SamplingConfig(temperature=0.7, max_tokens=12, n=2, seed=3))
+    batch = build_batch(out, pad_id=0, temperature=0.7)
+    with WorkerGroup("scorer", 1) as group:
+        group.run(megatron_model.load, key="scorer", source=str(model), parallel=ParallelConfig())
+        tempered, untempered = (
+            rl_fns.gather_shards(group.run(rl_fns.logprobs, key="scorer", micro_batch_size=4,
+                                           batch=batch.to_workers() | {"temperature": t}))
+            for t in (0.7, 1.0))
+    response = batch.mask.bool()
+    assert response.sum() == 4 * 12
+    assert (tempered - batch.rollout_logprobs)[response].abs().max() < 1e-4
+    # the check can fail: scored without the temperature, the same tokens are far off
+    assert (untempered - batch.rollout_logprobs)[response].abs().max() > 0.05

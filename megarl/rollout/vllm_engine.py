@@ -72,6 +72,9 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
             distributed_executor_backend="mp", worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=True,
+            # A sample's log-probs after temperature (and top-k/top-p), the distribution it was
+            # drawn from; the default, raw logits, ignore the temperature the trainer applies.
+            logprobs_mode="processed_logprobs",
             # "dummy": start from random weights that the first weight sync overwrites (a
             # megarl checkpoint has no HF weights for vLLM to read).
             load_format=load_format,

@@ -26,6 +26,9 @@ class RolloutBatch:
     group_size: int
     prompt_index: list[int]  # which prompt of the step each sample answers
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # logprobs, values, advantages, ...
+    # The sampling temperature: the policy that drew the tokens is softmax(logits / T), so the
+    # ranks score them, and train on them, at the same T (rollout_logprobs are vLLM's after T).
+    temperature: float = 1.0
 
     @property
     def size(self) -> int:
@@ -37,13 +40,14 @@ class RolloutBatch:
 
     def to_workers(self, *names: str) -> dict:
         """The tensors the rank functions need, as a plain dict."""
-        out = {"tokens": self.tokens, "mask": self.mask, "seq_lens": self.seq_lens}
+        out = {"tokens": self.tokens, "mask": self.mask, "seq_lens": self.seq_lens, "temperature": self.temperature}
         for name in names:
             out[name] = self.fields[name]
         return out
 
 
-def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1) -> RolloutBatch:
+def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1,
+                temperature: float = 1.0) -> RolloutBatch:
     """Pads every prompt+response to one length (a multiple of ``pad_to_multiple``)."""
     samples = [s for group in groups for s in group]
     sizes = {len(g) for g in groups}
@@ -66,4 +70,5 @@ def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple:
         tokens=tokens, seq_lens=torch.tensor(lengths), prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
         mask=mask, rollout_logprobs=rollout_lp, finish_reasons=[s.finish_reason for s in samples],
         group_size=sizes.pop(), prompt_index=[g for g, group in enumerate(groups) for _ in group],
+        temperature=temperature,
     )

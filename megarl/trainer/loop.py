@@ -52,6 +52,7 @@ def train(cfg: RunConfig) -> list[dict]:
 
 def policy_batch(batch, est, old, ref, cfg) -> dict:
     out = {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "advantages": est["advantages"],
+           "temperature": batch.temperature,
            **denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
     if old is not None:
         out["old_logprobs"] = old["logprobs"]

@@ -211,7 +211,7 @@ class Run:
         calls = [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=True) if p]
         groups = [g for part in wait_all(calls, self.cfg.trainer.step_timeout_s, "generation") for g in part]
         self._swap_out_of_rollout()
-        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8)
+        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=r.temperature)
         inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[i].metadata,
                               response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
                   for i, group in enumerate(groups) for s in group]

@@ -148,7 +148,13 @@ def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: 
     computed on the rows in one pass, where a packed sequence's last position predicts the next
     one's first token: never gathered. Passing the whole logits (not ``logits[:, :-1]``) spares
     autograd a logits-sized gradient for the slice. Logits of selected positions only
-    (``[1, n, vocab/tp]``) give results there and 0 at the other label positions."""
+    (``[1, n, vocab/tp]``) give results there and 0 at the other label positions.
+
+    ``mb["temperature"]`` (the rollout's): the distribution the tokens were sampled from is
+    softmax(logits / T), and so is the one scored and trained here."""
+    temperature = mb.get("temperature", 1.0)
+    if temperature != 1.0:  # skipped at 1: the division would copy the logits for nothing
+        logits = logits / temperature
     if "selected_at" in mb:
         lp, ent = vocab_parallel_stats(logits[0], mb["selected_labels"], vocab, entropy=entropy)
         b, t = mb["valid"].shape
