@@ -112,8 +112,11 @@ class Run:
 
     def _start_watchdog(self) -> None:
         """Every rank and engine is watched from here on; engines.json says which process is which."""
-        self.watchdog = Watchdog(interval_s=self.cfg.trainer.watchdog_interval_s,
-                                 answer_timeout_s=self.cfg.trainer.watchdog_interval_s * 10)
+        tr = self.cfg.trainer
+        # An engine that does not answer for this long is hung (its process lives, but its watch
+        # thread cannot run); a death is seen at the next look, within watchdog_interval_s.
+        self.watchdog = Watchdog(interval_s=tr.watchdog_interval_s,
+                                 answer_timeout_s=max(30.0, tr.collective_timeout_s, 10 * tr.watchdog_interval_s))
         for role in self.roles.values():
             self.watchdog.watch_group(role.group)
         healths = wait_all([e.health.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s,

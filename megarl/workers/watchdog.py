@@ -23,6 +23,8 @@ from typing import Any
 from megarl.utils.abort import RUN_ABORT, AbortSignal
 from megarl.workers.group import WorkerGroup
 
+_FAILED_LOOKS_LIMIT = 3
+
 
 @dataclass(frozen=True)
 class _Watched:
@@ -85,13 +87,18 @@ class Watchdog:
         return None
 
     def _loop(self) -> None:
+        failed_looks = 0
         while not self._stop.wait(self.interval_s):
             try:
                 reason = self.check()
-            except Exception as error:  # Ray shutting down under us: nothing left to watch
-                if self._stop.is_set():
+                failed_looks = 0
+            except Exception as error:
+                if self._stop.is_set():  # Ray shutting down under us: nothing left to watch
                     return
-                reason = f"the watchdog could not check the run's processes: {error}"
+                # One failed query of Ray's control store is no reason to end a run; several are.
+                failed_looks += 1
+                reason = (f"the watchdog could not check the run's processes {failed_looks} times in a row: "
+                          f"{error}" if failed_looks >= _FAILED_LOOKS_LIMIT else None)
             if reason is not None:
                 self.abort.trip(reason)
                 return
