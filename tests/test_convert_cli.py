@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -46,7 +48,8 @@ def ckpt22(llama_with_side_files, tmp_path_factory):
 
 def test_round_trip_hf_mcore_hf_is_bitwise(llama_with_side_files, ckpt22, tmp_path):
     back = tmp_path / "back"
-    megarl("convert", "mcore-to-hf", "--ckpt", str(ckpt22), "--out", str(back))
+    # the tiny model has no tokenizer: exporting it is refused unless asked for explicitly
+    megarl("convert", "mcore-to-hf", "--ckpt", str(ckpt22), "--out", str(back), "--no-tokenizer")
     original, returned = load_file(llama_with_side_files / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(original) == sorted(returned)
     for name in original:
@@ -56,6 +59,11 @@ def test_round_trip_hf_mcore_hf_is_bitwise(llama_with_side_files, ckpt22, tmp_pa
         assert (back / side).read_text() == (llama_with_side_files / side).read_text()
     config = json.loads((back / "config.json").read_text())
     assert config["hidden_size"] == 64 and config["dtype"] == "float32"
+    # readable like any file the user writes (safetensors writes through a 0600 temporary file)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in back.iterdir()} == \
+        {p.name: oct(0o666 & ~umask) for p in back.iterdir()}
 
 
 def test_reshard_keeps_logits(ckpt22, llama_with_side_files, tmp_path, pools):
@@ -168,3 +176,126 @@ def test_export_at_tp2_pp2_assembles_each_tensor_once(ckpt22, llama_with_side_fi
     original, returned = load_file(llama_with_side_files / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(original) == sorted(returned)
     assert all(torch.equal(original[n], returned[n]) for n in original)
+
+
+def _convert_in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """`megarl convert ARGV` in this process: an exception escaping it would be a traceback."""
+    import argparse
+
+    from megarl.convert import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    code = cli.main(parser.parse_args(["convert", *argv]))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _safetensors(path, header: object, data: bytes = b"") -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _edit_json(path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+# name: (what breaks the input, the command (HF = the broken HF folder, CKPT = the broken checkpoint,
+# OUT = the output), the fragment the one error line must hold)
+BAD_INPUTS = {
+    "safetensors header not an object": (
+        lambda hf, ck: _safetensors(hf / "model.safetensors", []),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "the header is not a JSON object"),
+    "safetensors shape not numbers": (
+        lambda hf, ck: _safetensors(hf / "model.safetensors",
+                                    {"w": {"dtype": "F32", "shape": ["a"], "data_offsets": [0, 4]}}, b"0000"),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "tensor 'w' has a bad 'shape' ['a']"),
+    "safetensors offsets malformed": (
+        lambda hf, ck: _safetensors(hf / "model.safetensors",
+                                    {"w": {"dtype": "F32", "shape": [1], "data_offsets": [4]}}, b"0000"),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "tensor 'w' has bad 'data_offsets' [4]"),
+    "index not JSON": (
+        lambda hf, ck: ((hf / "model.safetensors").rename(hf / "model-00001-of-00001.safetensors"),
+                        (hf / "model.safetensors.index.json").write_text('{"weight_map": ')),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "model.safetensors.index.json is not valid JSON"),
+    "index without a weight map": (
+        lambda hf, ck: (hf / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "no 'weight_map' object"),
+    "index pointing outside the folder": (
+        lambda hf, ck: (hf / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"lm_head.weight": "../model.safetensors"}})),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"],
+        "weight_map['lm_head.weight'] = '../model.safetensors' is not a .safetensors file name"),
+    "config field not a number": (
+        lambda hf, ck: _edit_json(hf / "config.json", lambda c: c.update(hidden_size="64")),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "field 'hidden_size' must be a positive integer, got '64'"),
+    "config field zero": (
+        lambda hf, ck: _edit_json(hf / "config.json", lambda c: c.update(num_attention_heads=0)),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "field 'num_attention_heads' must be a positive integer, got 0"),
+    "config rope factor zero": (
+        lambda hf, ck: _edit_json(hf / "config.json", lambda c: c["rope_parameters"].update(factor=0)),
+        ["hf-to-mcore", "--hf", "HF", "--out", "OUT"], "(rope_parameters): field 'factor' must be a positive number"),
+    "verify: config field zero": (
+        lambda hf, ck: _edit_json(hf / "config.json", lambda c: c.update(rms_norm_eps=0)),
+        ["verify", "--hf", "HF", "--ckpt", "CKPT"], "field 'rms_norm_eps' must be a positive number, got 0"),
+    "verify: config that does not describe the tensors": (
+        lambda hf, ck: _edit_json(hf / "config.json", lambda c: c.update(intermediate_size=96)),
+        ["verify", "--hf", "HF", "--ckpt", "CKPT"], "does not match its config.json"),
+    "verify: truncated weights": (
+        lambda hf, ck: (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:5000]),
+        ["verify", "--hf", "HF", "--ckpt", "CKPT"], "model.safetensors is not a readable safetensors file"),
+    "megarl.json not JSON": (
+        lambda hf, ck: (ck / "megarl.json").write_text("{"),
+        ["mcore-to-hf", "--ckpt", "CKPT", "--out", "OUT"], "megarl.json is not valid JSON"),
+    "megarl.json padded_vocab not a number": (
+        lambda hf, ck: _edit_json(ck / "megarl.json", lambda m: m.update(padded_vocab="256")),
+        ["reshard", "--ckpt", "CKPT", "--out", "OUT"], "field 'padded_vocab' must be a positive integer, got '256'"),
+    "megarl.json zero heads": (
+        lambda hf, ck: _edit_json(ck / "megarl.json", lambda m: m["arch"].update(num_heads=0)),
+        ["mcore-to-hf", "--ckpt", "CKPT", "--out", "OUT"],
+        "megarl.json (arch): field 'num_heads' must be a positive integer, got 0"),
+    "megarl.json arch incomplete": (
+        lambda hf, ck: _edit_json(ck / "megarl.json", lambda m: m["arch"].pop("hidden_size")),
+        ["verify", "--hf", "HF", "--ckpt", "CKPT"], "megarl.json (arch): missing field(s) hidden_size"),
+    "reshard: no distributed checkpoint": (
+        lambda hf, ck: [p.unlink() for p in ck.iterdir() if p.is_file() and p.name != "megarl.json"],
+        ["reshard", "--ckpt", "CKPT", "--out", "OUT"], "holds no distributed checkpoint (metadata.json not found)"),
+    "reshard: a shard file missing": (
+        lambda hf, ck: (ck / "__1_0.distcp").unlink(),
+        ["reshard", "--ckpt", "CKPT", "--out", "OUT"], "__1_0.distcp is listed in"),
+    "common.pt corrupt": (
+        lambda hf, ck: (ck / "common.pt").write_bytes(b"not a torch file"),
+        ["reshard", "--ckpt", "CKPT", "--out", "OUT"],
+        "common.pt: refused to load with weights_only=True (Unsupported operand 110)"),
+    "export: no config.json": (
+        lambda hf, ck: (ck / "hf" / "config.json").unlink(),
+        ["mcore-to-hf", "--ckpt", "CKPT", "--out", "OUT"], "hf/config.json is missing"),
+    "export: no tokenizer": (
+        lambda hf, ck: None,
+        ["mcore-to-hf", "--ckpt", "CKPT", "--out", "OUT"], "hf/tokenizer.json is missing"),
+    "export: config of another model": (
+        lambda hf, ck: _edit_json(ck / "hf" / "config.json", lambda c: c.update(num_hidden_layers=2)),
+        ["mcore-to-hf", "--ckpt", "CKPT", "--out", "OUT", "--no-tokenizer"],
+        "does not describe the checkpoint's model (num_layers: 4 != 2)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_one_line_before_any_rank_starts(case, llama_with_side_files, ckpt22, tmp_path, capsys):
+    """Exit 2, one line naming the file and field (indented detail lines may follow it), no traceback,
+    no rank started, nothing written."""
+    hf, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(llama_with_side_files, hf)
+    shutil.copytree(ckpt22, ckpt)
+    breaks, argv, fragment = BAD_INPUTS[case]
+    breaks(hf, ckpt)
+    argv = [{"HF": str(hf), "CKPT": str(ckpt), "OUT": str(out)}.get(a, a) for a in argv]
+    code, stdout, stderr = _convert_in_process(capsys, *argv)
+    assert code == 2, stdout + stderr
+    first, *details = stderr.strip().splitlines()
+    assert first.startswith("megarl convert: error: ") and fragment in first, stderr
+    assert all(line.startswith("  ") for line in details), stderr
+    assert "starting" not in stdout, "ranks were started before the input was checked"
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]

@@ -114,11 +114,16 @@ def _read_metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def straight(policy, reward_url, tmp_path_factory) -> list[dict]:
-    """4 GRPO steps, disaggregated: the run the others must repeat."""
+def straight_run_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("straight")
+
+
+@pytest.fixture(scope="module")
+def straight(policy, reward_url, straight_run_dir) -> list[dict]:
+    """4 GRPO steps, disaggregated: the run the others must repeat (its output in ``straight_run_dir``)."""
     from megarl.trainer.loop import train
 
-    return train(_config(grpo_overrides(policy, reward_url, tmp_path_factory.mktemp("straight"), steps=4)))
+    return train(_config(grpo_overrides(policy, reward_url, straight_run_dir, steps=4)))
 
 
 def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, reward_url, straight, tmp_path):
@@ -184,6 +189,84 @@ def test_colocated_run_repeats_the_disaggregated_run(policy, reward_url, straigh
     assert all(h["memory/offloaded_mib"] >= weights_mib for h in colocated), \
         [h["memory/offloaded_mib"] for h in colocated]
     assert (tmp_path / "colocated" / "checkpoints" / "step_000004" / "actor" / "megarl.json").is_file()
+
+
+def _vllm_prompt_logprobs(model_dir: Path, text: str) -> tuple[list[int], list[float]]:
+    """vLLM (fp32, in a Ray actor like the rollout engines) loads ``model_dir`` with its own
+    tokenizer, tokenizes ``text`` and scores it: (token ids, log p(token_i | tokens_<i) for i >= 1)."""
+    import ray
+
+    from megarl.cluster.ray_env import ensure_ray
+
+    @ray.remote(num_cpus=1)
+    class Scorer:
+        def __init__(self, path: str):
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as the rollout engine sets it
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from vllm import LLM
+
+            self.llm = LLM(model=path, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+                           max_num_seqs=2)
+
+        def score(self, prompt: str) -> tuple[list[int], list[float]]:
+            from vllm import SamplingParams
+
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            out = self.llm.generate([prompt], params, use_tqdm=False)[0]
+            ids = list(out.prompt_token_ids)
+            return ids, [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+
+    ensure_ray()
+    scorer = Scorer.remote(str(model_dir))
+    try:
+        return ray.get(scorer.score.remote(text), timeout=600)
+    finally:
+        ray.kill(scorer)
+
+
+def test_the_actor_checkpoint_exports_to_a_model_that_transformers_and_vllm_load(policy, straight, straight_run_dir,
+                                                                                   tmp_path, pools):
+    """`megarl convert mcore-to-hf` of the run's last actor checkpoint: transformers and vLLM (with
+    the exported tokenizer, not skipped) load it, and score text as the actor (megatron-core) does."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.config.schema import ParallelConfig
+    from megarl.convert import jobs
+
+    ckpt = straight_run_dir / "checkpoints" / "step_000004" / "actor"
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli.main", "convert", "mcore-to-hf", "--ckpt", str(ckpt),
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "model.safetensors"} <= set(modes), modes
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    trained, initial = load_file(out / "model.safetensors"), load_file(policy / "model.safetensors")
+    assert not torch.equal(trained["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 + 25? Answer with a number."}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids, vllm_logprobs = _vllm_prompt_logprobs(out, text)
+    assert ids == tokenizer(text)["input_ids"], "vLLM did not tokenize with the exported tokenizer"
+
+    tokens = torch.tensor([ids])
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        hf = model(tokens).logits
+    results = pools.get(1).run(jobs.checkpoint_logits, ckpt_dir=str(ckpt), parallel=ParallelConfig(), tokens=tokens)
+    (actor,) = [r["logits"] for r in results if r["logits"] is not None]
+    hf_logprobs = torch.log_softmax(hf[0].double(), -1)[:-1].gather(-1, tokens[0, 1:, None])[:, 0]
+    dlogit = (hf - actor).abs().max().item()
+    dlogprob = (hf_logprobs - torch.tensor(vllm_logprobs, dtype=torch.float64)).abs().max().item()
+    print(f"export: max |dlogit| transformers vs actor {dlogit:.2e}; max |dlogprob| vLLM vs transformers "
+          f"{dlogprob:.2e} over {len(ids)} tokens")
+    assert dlogit <= 1e-4 and dlogprob <= 1e-4
 
 
 def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward_model, tmp_path):

@@ -25,6 +25,7 @@ from megarl.models.hf_arch import ArchError, ModelArch, arch_from_hf_dir
 from megarl.utils.atomic import write_text_atomic
 
 META_FILE = "megarl.json"
+HF_DIR = "hf"  # config, tokenizer and generation files of the source model
 FORMAT = "megarl-mcore-v1"
 
 
@@ -32,14 +33,47 @@ def is_megarl_checkpoint(path: str | Path) -> bool:
     return (Path(path) / META_FILE).is_file()
 
 
-def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+def read_meta(ckpt_dir: str | Path, arch_only: bool = False) -> dict[str, Any]:
+    """``megarl.json`` of a checkpoint, checked field by field (ConfigError naming the field);
+    with ``arch_only``, only its format and architecture (all a config check needs)."""
+    from megarl.config.schema import DTYPES
+    from megarl.convert.fields import check_arch_dict, positive_int
+
     path = Path(ckpt_dir) / META_FILE
     if not path.is_file():
         raise ConfigError(f"{ckpt_dir} is not a megarl checkpoint ({META_FILE} not found)")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    check_arch_dict(meta.get("arch"), str(path))
+    if arch_only:
+        return meta
+    positive_int(meta, "padded_vocab", str(path))
+    if meta["padded_vocab"] < meta["arch"]["vocab_size"]:
+        raise ConfigError(f"{path}: padded_vocab={meta['padded_vocab']} is smaller than the vocabulary "
+                          f"({meta['arch']['vocab_size']})")
+    if meta.get("dtype") not in DTYPES:
+        raise ConfigError(f"{path}: field 'dtype' is {meta.get('dtype')!r}; expected one of {', '.join(DTYPES)}")
+    if not isinstance(meta.get("value_head"), bool):
+        raise ConfigError(f"{path}: field 'value_head' must be true or false, got {meta.get('value_head')!r}")
     return meta
+
+
+def hf_side_dir(source: str | Path) -> Path:
+    """Where the config, tokenizer and generation files of a role's model source live.
+
+    ``source`` is a model path as configs give it: an HF folder, ``bundled:NAME`` (resolved
+    to its materialised folder), or a megarl checkpoint (whose ``hf/`` carries them on).
+    """
+    from megarl.models.bundled import resolve_model_path
+
+    path = resolve_model_path(source)
+    return path / HF_DIR if is_megarl_checkpoint(path) else path
 
 
 def read_model_arch(path: str | Path) -> ModelArch:
@@ -48,7 +82,7 @@ def read_model_arch(path: str | Path) -> ModelArch:
 
     path = resolve_model_path(path)
     if is_megarl_checkpoint(path):
-        return ModelArch.from_dict(read_meta(path)["arch"])
+        return ModelArch.from_dict(read_meta(path, arch_only=True)["arch"])
     if not Path(path).exists():
         raise ArchError(f"{path} does not exist")
     return arch_from_hf_dir(path)
@@ -124,11 +158,25 @@ def save_model(chunks: list, ckpt_dir: str | Path) -> None:
         dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
 
 
-def load_model(chunks: list, ckpt_dir: str | Path) -> None:
-    """Collective: fills ``chunks`` from ``ckpt_dir`` at whatever layout they were built."""
+def load_dist_checkpoint(sharded_state_dict: dict, ckpt_dir: str | Path) -> dict:
+    """Collective: ``dist_checkpointing.load`` that runs no code from the checkpoint.
+
+    Every load of a megarl checkpoint (convert, a role whose model path is a checkpoint,
+    resume) goes through here: torch_dist pinned, metadata and objects unpickled restrictedly,
+    ``common.pt`` read with ``weights_only=True`` (see megarl.platform.safe_checkpoint).
+    """
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(ckpt_dir))
+    from megarl.platform.safe_checkpoint import load_strategies
+
+    sharded, common = load_strategies()
+    return dist_checkpointing.load(sharded_state_dict, str(ckpt_dir), sharded_strategy=sharded,
+                                   common_strategy=common)
+
+
+def load_model(chunks: list, ckpt_dir: str | Path) -> None:
+    """Collective: fills ``chunks`` from ``ckpt_dir`` at whatever layout they were built."""
+    loaded = load_dist_checkpoint(model_sharded_state_dict(chunks), ckpt_dir)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys, strict=True):
         getattr(chunk, "module", chunk).load_state_dict(loaded[key], strict=True)

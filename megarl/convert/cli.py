@@ -62,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _layout_args(p)
     p.add_argument("--dtype", choices=DTYPES, default=None, help="dtype of the exported tensors")
     p.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors file")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="export without tokenizer files (transformers loads it; vLLM then needs "
+                        "skip_tokenizer_init); by default a checkpoint without a tokenizer is refused")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_mcore_to_hf)
 
@@ -147,15 +150,26 @@ def _write_with_ranks(args: argparse.Namespace, par: ParallelConfig, job, **kwar
     return stats, started
 
 
-def cmd_hf_to_mcore(args: argparse.Namespace) -> int:
-    from megarl.convert import jobs
+def _checked_hf(hf_dir: str, value_head: bool = False) -> ModelArch:
+    """The architecture of an HF folder whose config and tensors were checked against each other."""
     from megarl.convert.hf_io import HFReader, check_hf_checkpoint
     from megarl.convert.mapping import hf_tensor_shapes
-    from megarl.models.hf_arch import arch_from_hf_dir
+    from megarl.convert.preflight import hf_config_arch
+
+    arch = hf_config_arch(hf_dir)
+    reader = HFReader(hf_dir)
+    try:
+        check_hf_checkpoint(reader, hf_tensor_shapes(arch, value_head))
+    finally:
+        reader.close()
+    return arch
+
+
+def cmd_hf_to_mcore(args: argparse.Namespace) -> int:
+    from megarl.convert import jobs
 
     _resolve_hf(args)
-    arch = arch_from_hf_dir(args.hf)
-    check_hf_checkpoint(HFReader(args.hf), hf_tensor_shapes(arch, args.value_head))
+    arch = _checked_hf(args.hf, args.value_head)
     par = _parallel(args)
     _check_layout(arch, par)
     if args.vocab_pad_multiple < 1:
@@ -169,9 +183,12 @@ def cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_arch(ckpt: str) -> tuple[ModelArch, dict]:
+    """The architecture and metadata of a megarl checkpoint, its dist checkpoint files checked."""
     from megarl.convert.checkpoint import read_meta
+    from megarl.convert.preflight import check_dist_checkpoint
 
     meta = read_meta(ckpt)
+    check_dist_checkpoint(ckpt)
     return ModelArch.from_dict(meta["arch"]), meta
 
 
@@ -184,8 +201,10 @@ def _checkpoint_and_layout(args: argparse.Namespace) -> tuple[ModelArch, dict, P
 
 def cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from megarl.convert import jobs
+    from megarl.convert.preflight import check_exportable
 
     arch, meta, par = _checkpoint_and_layout(args)
+    check_exportable(args.ckpt, arch, tokenizer=not args.no_tokenizer)
     stats, started = _write_with_ranks(args, par, jobs.mcore_to_hf, ckpt_dir=str(args.ckpt), dtype=args.dtype,
                                        max_shard_bytes=int(args.max_shard_size * 1024**3))
     _report(f"wrote HF folder {args.out}", stats, started, "bytes_written",
@@ -206,13 +225,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from megarl.convert import jobs
     from megarl.convert.parity import compare_logits, hf_reference_logits, verification_tokens
-    from megarl.models.hf_arch import arch_from_hf_dir
 
     _resolve_hf(args)
-    arch = arch_from_hf_dir(args.hf)
+    arch = _checked_hf(args.hf)  # transformers gets only a folder whose config and tensors agree
     padded = None
     if args.ckpt:
         ckpt_arch, meta = _checkpoint_arch(args.ckpt)
+        if meta["value_head"]:
+            raise ConfigError(f"{args.ckpt} is a value model (megarl.json value_head: true); verify compares "
+                              "language-model logits")
         diffs = arch.mismatches(ckpt_arch)
         if diffs:
             raise ConfigError(f"{args.ckpt} does not match {args.hf}/config.json:\n  " + "\n  ".join(diffs))
@@ -250,10 +271,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from megarl.distributed.spmd import SpmdError
+    from megarl.platform.safe_checkpoint import UnsafeCheckpointError
 
     try:
         return args.func(args)
-    except (ConfigError, ArchError, FileExistsError, FileNotFoundError) as e:
+    except (ConfigError, ArchError, UnsafeCheckpointError, FileExistsError, FileNotFoundError) as e:
         print(f"megarl convert: error: {e}", file=sys.stderr)
         return 2
     except SpmdError as e:

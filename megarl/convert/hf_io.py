@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from megarl.convert.mapping import IGNORED_HF_TENSORS, Recipe
 from megarl.models.hf_arch import ArchError
+from megarl.utils.atomic import make_user_readable
 
 # Files copied next to the weights on export (tokenizer, chat template, generation defaults).
 HF_SIDE_FILES = (
@@ -56,14 +57,13 @@ class _SafetensorsFile:
                 header = json.loads(f.read(header_len))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ArchError(f"{path} is not a readable safetensors file: bad header ({e})") from e
+        if not isinstance(header, dict):
+            raise ArchError(f"{path} is not a readable safetensors file: the header is not a JSON object")
         header.pop("__metadata__", None)
         self.data_start = 8 + header_len
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
         for name, entry in header.items():
-            if entry.get("dtype") not in _DTYPES:
-                raise ArchError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
-            dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
-            begin, stop = entry["data_offsets"]
+            dtype, shape, begin, stop = _header_entry(path, name, entry)
             nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
             if stop - begin != nbytes or self.data_start + stop > size:
                 raise ArchError(f"{path} is not a readable safetensors file: tensor {name} does not fit "
@@ -94,6 +94,26 @@ class _SafetensorsFile:
         os.close(self._fd)
 
 
+def _header_entry(path: Path, name: str, entry: object) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, stop) of one header entry, each checked for type and range."""
+    bad = f"{path} is not a readable safetensors file: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise ArchError(f"{bad} has no header entry (got {entry!r})")
+    if entry.get("dtype") not in _DTYPES:
+        raise ArchError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(_natural(n) for n in shape):
+        raise ArchError(f"{bad} has a bad 'shape' {shape!r} (a list of non-negative integers)")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(n) for n in offsets) \
+            or offsets[0] > offsets[1]:
+        raise ArchError(f"{bad} has bad 'data_offsets' {offsets!r} ([begin, end], 0 <= begin <= end)")
+    return _DTYPES[entry["dtype"]], tuple(shape), offsets[0], offsets[1]
+
+
+def _natural(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _rows_contiguous(out: torch.Tensor, dim: int) -> bool:
     # dim 0: the whole slice is one run of bytes; dim 1 of a 2-D tensor: each row is.
     if dim == 0:
@@ -118,6 +138,23 @@ def _pread_into(fd: int, position: int, target: torch.Tensor, nbytes: int) -> No
         done += n
 
 
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index: tensor name -> a file name in the same folder."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArchError(f"{index} is not valid JSON: {e}") from e
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ArchError(f"{index}: no 'weight_map' object (tensor name -> file)")
+    for name, file in weight_map.items():
+        # A plain file name: a path would read weights from elsewhere on this machine.
+        if not isinstance(file, str) or not file.endswith(".safetensors") or Path(file).name != file:
+            raise ArchError(f"{index}: weight_map[{name!r}] = {file!r} is not a .safetensors file name "
+                            "in the model folder")
+    return weight_map
+
+
 class HFReader:
     """Slice-wise access to the tensors of an HF safetensors checkpoint."""
 
@@ -125,7 +162,7 @@ class HFReader:
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_weight_map(index)
         elif (self.dir / "model.safetensors").is_file():
             weight_map = None
         else:
@@ -134,12 +171,16 @@ class HFReader:
                      "with save_pretrained(safe_serialization=True))") if pickled else ""
             raise ArchError(f"{self.dir}: no model.safetensors or model.safetensors.index.json{extra}")
         self._files: dict[str, _SafetensorsFile] = {}
-        if weight_map is None:
-            self._where = {name: "model.safetensors" for name in self._open("model.safetensors").tensors}
-        else:
-            self._where = dict(weight_map)
-            for file in sorted(set(weight_map.values())):
-                self._open(file)
+        try:
+            if weight_map is None:
+                self._where = {name: "model.safetensors" for name in self._open("model.safetensors").tensors}
+            else:
+                self._where = dict(weight_map)
+                for file in sorted(set(weight_map.values())):
+                    self._open(file)
+        except BaseException:
+            self.close()
+            raise
         self.bytes_read = 0
 
     def _open(self, file: str) -> _SafetensorsFile:
@@ -248,6 +289,7 @@ class HFWriter:
     def _flush(self) -> None:
         file = f"part-{len(self._shards):05d}.safetensors"
         save_file(self._pending, str(self.dir / file), metadata={"format": "pt"})
+        make_user_readable(self.dir / file)  # safetensors writes through a 0600 temporary file
         self._shards.append((file, list(self._pending)))
         self.bytes_written += self._pending_bytes
         self._pending, self._pending_bytes = {}, 0
@@ -268,10 +310,13 @@ class HFWriter:
 
 
 def copy_side_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copies config, tokenizer and generation files that exist in ``src``."""
+    """Copies config, tokenizer and generation files that exist in ``src``.
+
+    Contents only: each copy gets the mode of a new file under the user's umask, not the
+    source's (a cache file may be 0600)."""
     copied = []
     for name in HF_SIDE_FILES:
         if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
             copied.append(name)
     return copied

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.schema import ParallelConfig, PrecisionConfig
-from megarl.convert.checkpoint import load_model, read_meta, save_model, write_meta
+from megarl.convert.checkpoint import HF_DIR, load_model, read_meta, save_model, write_meta
 from megarl.convert.hf_io import HFReader, HFWriter, copy_side_files
 from megarl.convert.weights import export_hf_tensors, load_hf_weights
 from megarl.distributed.parallel import megatron_parallel
@@ -64,7 +64,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str,
         loaded = load_hf_weights(chunks, reader, spec, info)
         save_model(chunks, out_dir)
         if dist.get_rank() == 0:
-            hf_side = Path(out_dir) / "hf"
+            hf_side = Path(out_dir) / HF_DIR
             hf_side.mkdir(exist_ok=True)
             copy_side_files(hf_dir, hf_side)
             write_meta(out_dir, arch, spec.padded_vocab, dtype, parallel, value_head, source=str(hf_dir))
@@ -85,7 +85,7 @@ def mcore_to_hf(ckpt_dir: str, out_dir: str, parallel: ParallelConfig,
         export_hf_tensors(chunks, spec, info, writer.add if writer else (lambda n, t: None), out_dtype)
         if writer is not None:
             writer.close()
-            copy_side_files(Path(ckpt_dir) / "hf", out_dir)
+            copy_side_files(Path(ckpt_dir) / HF_DIR, out_dir)
             _set_config_dtype(Path(out_dir) / "config.json", dtype or spec.precision.dtype)
         dist.barrier()
         weights = _weights_bytes(chunks)
@@ -115,7 +115,10 @@ def reshard(ckpt_dir: str, out_dir: str, parallel: ParallelConfig) -> dict[str, 
         if dist.get_rank() == 0:
             import shutil
 
-            shutil.copytree(Path(ckpt_dir) / "hf", Path(out_dir) / "hf")
+            if (Path(ckpt_dir) / HF_DIR).is_dir():
+                shutil.copytree(Path(ckpt_dir) / HF_DIR, Path(out_dir) / HF_DIR)
+            else:  # a checkpoint written without side files: reshard it all the same
+                (Path(out_dir) / HF_DIR).mkdir()
             write_meta(out_dir, spec.arch, spec.padded_vocab, spec.precision.dtype, parallel,
                        spec.value_head, source=meta.get("source", str(ckpt_dir)))
         dist.barrier()

@@ -10,7 +10,9 @@ extremes that real text does not, and with them the fp32 rounding noise.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,16 +30,27 @@ def hf_reference_logits(hf_dir: str, tokens: torch.Tensor, value_head: bool = Fa
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
+    with _loading(hf_dir, "transformers cannot load the model"):
+        model = auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     if value_head:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             hidden = model.model(tokens).last_hidden_state
             return model.score(hidden)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+@contextlib.contextmanager
+def _loading(hf_dir: str, what: str) -> Iterator[None]:
+    """Turns whatever transformers raises on a broken folder into one line naming the folder."""
+    from megarl.config.loader import ConfigError
+
+    try:
+        yield
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{hf_dir}: {what} ({type(e).__name__}: {first})") from e
 
 
 def compare_logits(reference: torch.Tensor, candidate: torch.Tensor) -> Parity:
@@ -79,7 +92,8 @@ def verification_tokens(hf_dir: str, batch: int, seq: int, seed: int = 0) -> tor
         return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    with _loading(hf_dir, "its tokenizer does not load"):
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(_PASSAGE, tokenize=False)
     else:

@@ -42,3 +42,25 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting it back at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_user_readable(path: str | Path) -> None:
+    """Gives ``path`` the mode of a file the user creates (0666 less the umask).
+
+    Writers that go through a temporary file (safetensors' ``save_file``, ``mkstemp``)
+    leave it 0600; an exported model must be readable the way the user's umask says.
+    """
+    os.chmod(path, 0o666 & ~current_umask())

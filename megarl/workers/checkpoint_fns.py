@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.convert.checkpoint import forked_write_results_queue, model_sharded_state_dict, write_meta
+from megarl.convert.checkpoint import (
+    HF_DIR,
+    forked_write_results_queue,
+    hf_side_dir,
+    load_dist_checkpoint,
+    model_sharded_state_dict,
+    write_meta,
+)
+from megarl.platform.safe_checkpoint import load_weights_only
 from megarl.workers.megatron_model import held
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -61,8 +69,10 @@ def save(key: str, out_dir: str, source: str) -> None:
         from megarl.convert.hf_io import copy_side_files
 
         spec = model.spec
-        (Path(out_dir) / "hf").mkdir(exist_ok=True)
-        copy_side_files(source, Path(out_dir) / "hf")
+        (Path(out_dir) / HF_DIR).mkdir(exist_ok=True)
+        # From the folder the files are in: a bundled model's cache folder, a checkpoint's hf/
+        # (the source path itself holds none of them in either case).
+        copy_side_files(hf_side_dir(source), Path(out_dir) / HF_DIR)
         write_meta(out_dir, spec.arch, spec.padded_vocab, spec.precision.dtype, spec.parallel, spec.value_head,
                    source=source)
     dist.barrier()
@@ -70,7 +80,6 @@ def save(key: str, out_dir: str, source: str) -> None:
 
 def load(key: str, ckpt_dir: str, optim: dict | None) -> None:
     """Restores weights and (with ``optim``) optimizer state into the held model."""
-    from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from megarl.workers.rl_fns import ensure_optimizer
@@ -81,7 +90,7 @@ def load(key: str, ckpt_dir: str, optim: dict | None) -> None:
         # torch Adam creates its state lazily; the loader needs it to exist.
         for opt in model.optimizers():
             opt._init_optimizer_states_with_dummy_values()
-    loaded = dist_checkpointing.load(_state(model, is_loading=True), ckpt_dir)
+    loaded = load_dist_checkpoint(_state(model, is_loading=True), ckpt_dir)
     keys = ["model"] if len(model.chunks) == 1 else [f"model{i}" for i in range(len(model.chunks))]
     for chunk, name in zip(model.chunks, keys, strict=True):
         getattr(chunk, "module", chunk).load_state_dict(loaded[name], strict=True)
@@ -89,7 +98,7 @@ def load(key: str, ckpt_dir: str, optim: dict | None) -> None:
         model.optimizer.load_state_dict(loaded["optimizer"])
     extras_file = _extras_path(ckpt_dir)
     if extras_file.exists():
-        extras = torch.load(extras_file, weights_only=True)
+        extras = load_weights_only(extras_file, str(extras_file))
         torch.set_rng_state(extras["cpu_rng"])
         get_cuda_rng_tracker().set_states(extras["tracker"])
         model.extra["optimizer_steps"] = int(extras["optimizer_steps"])
