@@ -190,6 +190,13 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens (0: off)
     overlong_penalty: float = 1.0
+    # Rollout/trainer mismatch correction of the policy gradient (megarl.algorithms.off_policy):
+    # none | tis (token weights min(r, is_cap)) | mis (drop sequences whose geometric-mean ratio
+    # leaves [is_low, is_high]) | icepop (drop tokens whose ratio leaves it); r = pi_old / mu.
+    off_policy_correction: str = "none"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
 
 
 @dataclass

@@ -189,6 +189,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
     from pathlib import Path
 
     from megarl.algorithms import AGGREGATION_MODES, KL_ESTIMATORS
+    from megarl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
     from megarl.cluster.placement import placement_errors
     from megarl.reshard.vllm_layout import vllm_padded_vocab
     from megarl.rewards.extract import resolve_extractor
@@ -203,6 +204,9 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         errors.append("algorithm.name='ppo' needs a critic role (critic.model.path, or a reward_model to start from)")
     if algo.name in ("grpo", "rloo") and rollout.n < 2:
         errors.append(f"rollout.n={rollout.n}: {algo.name} compares samples of a prompt, it needs n >= 2")
+    if algo.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        errors.append(f"algorithm.off_policy_correction={algo.off_policy_correction!r} must be one of "
+                      f"{', '.join(OFF_POLICY_CORRECTIONS)}")
     if algo.aggregation not in AGGREGATION_MODES:
         errors.append(f"algorithm.aggregation={algo.aggregation!r} must be one of {', '.join(AGGREGATION_MODES)}")
     if algo.kl_estimator not in KL_ESTIMATORS:
@@ -333,6 +337,9 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("algorithm.clip_low", algo.clip_low, "[0, 1)"),  # the ratio's lower bound 1 - clip_low stays > 0
         ("algorithm.clip_high", algo.clip_high, "[0, inf)"),
         ("algorithm.dual_clip", algo.dual_clip, "(1, inf)"),  # the dual bound c > 1 (Ye et al. 2020)
+        ("algorithm.is_cap", algo.is_cap, "[1, inf)"),  # a truncated IS weight still reaches 1
+        ("algorithm.is_low", algo.is_low, "(0, 1]"),  # [is_low, is_high] holds ratio 1: on-policy is kept
+        ("algorithm.is_high", algo.is_high, "[1, inf)"),
         ("algorithm.entropy_coef", algo.entropy_coef, "(-inf, inf)"),
         ("algorithm.gamma", algo.gamma, "[0, 1]"),
         ("algorithm.lam", algo.lam, "[0, 1]"),

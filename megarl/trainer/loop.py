@@ -39,7 +39,7 @@ def train(cfg: RunConfig) -> list[dict]:
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]
             with run.phase("weight_sync"):
                 verified = run.update_weights(batch)
-            metrics |= step_metrics(batch, scores, parts, old, ref, est) | verified
+            metrics |= step_metrics(batch, scores, parts, old, ref, est, cfg.algorithm) | verified
             metrics |= timing(run, batch, time.perf_counter() - began)
             log.log(run.step, metrics)
             if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
@@ -60,6 +60,8 @@ def policy_batch(batch, est, old, ref, cfg) -> dict:
         out["select_mask"] = batch.mask
     if ref is not None:
         out["ref_logprobs"] = ref
+    if cfg.algorithm.off_policy_correction != "none":
+        out["rollout_logprobs"] = batch.rollout_logprobs
     return out
 
 

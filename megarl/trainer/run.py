@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.config.schema import RunConfig
+from megarl.config.schema import AlgorithmConfig, RunConfig
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger
@@ -349,10 +349,12 @@ class Run:
 
 
 def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
-                 ref: torch.Tensor | None, est: dict) -> dict[str, float]:
+                 ref: torch.Tensor | None, est: dict, algo: AlgorithmConfig) -> dict[str, float]:
     """What every step logs besides the updates' own metrics; ``old`` holds the actor's
-    ``logprobs`` and ``entropy`` before the update, ``ref`` the reference's log-probs."""
+    ``logprobs`` and ``entropy`` before the update, ``ref`` the reference's log-probs. The
+    mismatch metrics are those of ``algo``'s off-policy correction, as the ranks applied it."""
     from megarl.algorithms import kl_estimate, masked_mean
+    from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
 
     mask = batch.mask
     diff = (old["logprobs"] - batch.rollout_logprobs).abs()
@@ -370,4 +372,6 @@ def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, tor
         out["kl/mean"] = float(masked_mean(kl_estimate(old["logprobs"], ref, estimator="k1") * est["mask"], mask))
     for name, values in parts.items():
         out[name] = float(values.mean())
-    return out
+    correction = off_policy_correction(algo.off_policy_correction, old["logprobs"], batch.rollout_logprobs, mask,
+                                       cap=algo.is_cap, low=algo.is_low, high=algo.is_high)
+    return out | mismatch_metrics(old["logprobs"], batch.rollout_logprobs, mask, correction)

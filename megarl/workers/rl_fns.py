@@ -359,6 +359,7 @@ def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro
     that forward come back per token instead, at the positions of ``select_mask``, for the
     step's metrics."""
     from megarl.algorithms import aggregate, kl_loss, policy_loss
+    from megarl.algorithms.off_policy import off_policy_correction
     from megarl.models.forward import rows_output
 
     vocab = held(key).spec.arch.vocab_size
@@ -378,7 +379,14 @@ def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro
         # norm_len: "seq-mean-token-sum"'s constant divisor (Dr.GRPO), from the driver's denominators()
         common = {"aggregation": algo["aggregation"], "denom": mb["denom"], "norm_len": mb.get("norm_len")}
         old = lp.detach() if on_policy else mb["old_logprobs"]
-        loss, metrics = policy_loss(lp, old, mb["advantages"], mask, clip_low=algo["clip_low"],
+        advantages, pg_mask = mb["advantages"], mask
+        correction = algo.get("off_policy_correction", "none")
+        if correction != "none":  # the engine's policy mu sampled; weight or drop tokens by pi_old / mu
+            fix = off_policy_correction(correction, old, mb["rollout_logprobs"], mask, cap=algo["is_cap"],
+                                        low=algo["is_low"], high=algo["is_high"])
+            advantages = (advantages if advantages.dim() == 2 else advantages[:, None]) * fix.weights
+            pg_mask = mask * fix.keep  # dropped tokens add 0; the normaliser stays the batch's
+        loss, metrics = policy_loss(lp, old, advantages, pg_mask, clip_low=algo["clip_low"],
                                     clip_high=algo["clip_high"], dual_clip=algo["dual_clip"], **common)
         out = {"pg_loss": loss.detach()}
         if on_policy:

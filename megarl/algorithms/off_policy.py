@@ -1,0 +1,93 @@
+"""Corrections for the gap between the policy that sampled (the rollout engine, mu) and the policy
+the trainer scores (pi_old: the same weights, another kernel, precision, or an older version).
+
+With ``r_t = pi_old(y_t) / mu(y_t)`` over the valid response tokens of each sequence:
+
+- ``tis``: truncated importance sampling, per token: the policy-gradient term of token t is
+  weighted by ``min(r_t, cap)`` (Yao et al. 2025, "Your efficient RL framework secretly brings you
+  off-policy RL training").
+- ``mis``: masked importance sampling, per sequence: a sequence whose geometric-mean ratio
+  ``exp(mean_t log r_t)`` leaves ``[low, high]`` is dropped from the policy gradient whole.
+- ``icepop``: per token: a token whose ``r_t`` leaves ``[low, high]`` is dropped (IcePop, Ling
+  team 2025); the others keep weight 1.
+- ``none``: weight 1 everywhere, nothing dropped.
+
+Weights and keep-masks are targets, never differentiated (computed under ``no_grad``); dropped and
+masked positions get weight 0 in ``keep``. Shapes follow :mod:`megarl.algorithms.masked`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megarl.algorithms.masked import masked_mean
+
+OffPolicyCorrection = Literal["none", "tis", "mis", "icepop"]
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "icepop")
+
+
+@dataclass(frozen=True)
+class Correction:
+    weights: torch.Tensor  # [B, T]: multiplies each token's policy-gradient term (1 where not weighted)
+    keep: torch.Tensor  # [B, T] float: 1 where the token stays in the policy gradient, 0 dropped or masked
+
+
+@torch.no_grad()
+def log_ratios(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log pi_old - log mu`` at valid tokens, 0 elsewhere (non-finite padding never leaks)."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
+    return torch.where(valid, old_logprobs, zero) - torch.where(valid, rollout_logprobs.to(old_logprobs.dtype), zero)
+
+
+@torch.no_grad()
+def off_policy_correction(kind: OffPolicyCorrection, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                          mask: torch.Tensor, cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> Correction:
+    """The weights and keep-mask of ``kind`` (see the module docstring); ``cap`` for ``tis``,
+    ``[low, high]`` for ``mis`` and ``icepop``."""
+    if kind not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"unknown off-policy correction {kind!r}; expected one of {OFF_POLICY_CORRECTIONS}")
+    if not 0 < low <= 1 <= high or cap < 1:
+        raise ValueError(f"need 0 < low <= 1 <= high and cap >= 1, got low={low}, high={high}, cap={cap}")
+    valid = mask.bool()
+    log_r = log_ratios(old_logprobs, rollout_logprobs, mask)
+    ratio = torch.exp(log_r)  # 1 at masked positions
+    weights = torch.ones_like(ratio)
+    keep = valid
+    if kind == "tis":
+        weights = torch.where(valid, ratio.clamp(max=cap), torch.zeros_like(ratio))
+    elif kind == "icepop":
+        keep = valid & (ratio >= low) & (ratio <= high)
+    elif kind == "mis":
+        counts = valid.sum(dim=1)
+        geometric = torch.exp(log_r.sum(dim=1) / counts.clamp(min=1))
+        inside = (geometric >= low) & (geometric <= high) & (counts > 0)
+        keep = valid & inside[:, None]
+    return Correction(weights=weights, keep=keep.to(ratio.dtype))
+
+
+@torch.no_grad()
+def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                     correction: Correction) -> dict[str, float]:
+    """How far the trainer's and the engine's policies are apart on the sampled tokens:
+
+    - ``mismatch/kl_k3``: k3 estimate of KL(mu || pi_old) from mu's samples, ``mean(r - 1 - log r)``;
+    - ``mismatch/is_ratio_mean`` / ``_max``: of ``r`` over valid tokens;
+    - ``mismatch/dropped_fraction``: valid tokens the correction drops from the policy gradient.
+    All 0 when no token is valid.
+    """
+    valid = mask.bool()
+    if not valid.any():
+        return {"mismatch/kl_k3": 0.0, "mismatch/is_ratio_mean": 0.0, "mismatch/is_ratio_max": 0.0,
+                "mismatch/dropped_fraction": 0.0}
+    log_r = log_ratios(old_logprobs, rollout_logprobs, mask).double()
+    ratio = torch.exp(log_r)
+    return {
+        "mismatch/kl_k3": float(masked_mean(ratio - 1 - log_r, mask)),
+        "mismatch/is_ratio_mean": float(masked_mean(ratio, mask)),
+        "mismatch/is_ratio_max": float(ratio[valid].max()),
+        "mismatch/dropped_fraction": float(masked_mean(1.0 - correction.keep.double(), mask)),
+    }
