@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_refit_cmd(args: argparse.Namespace) -> int:
-    from megarl.bench.refit import RefitArgs, dumps, format_table, run_refit
+    from megarl.bench.refit import RefitArgs, dumps, format_table, memory_overruns, run_refit
 
     refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, rollout_tp=args.rollout_tp,
                       bucket_mib=args.bucket_mb, repeats=args.repeats, dtype=args.dtype,
@@ -48,7 +48,10 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     result = run_refit(refit, progress=progress)
     print(dumps(result) if args.json else format_table(result), flush=True)
-    return 0
+    overruns = memory_overruns(result)
+    for line in overruns:  # the promise is every rank within bucket + largest shard: a breach fails the run
+        print(f"megarl bench refit: {line}", file=sys.stderr)
+    return 1 if overruns else 0
 
 
 # Options of the benchmarks that count or size something (lists: each entry); a zero divides or

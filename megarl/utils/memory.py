@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import resource
 from pathlib import Path
 
@@ -33,3 +36,26 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        return None
+
+
+def release_free_memory() -> bool:
+    """Hands the allocator's free pages back to the kernel (glibc ``malloc_trim``); False where unsupported.
+
+    glibc keeps freed blocks of its heaps resident, and a block freed by one thread's arena
+    cannot serve another thread's allocation: a tensor freed on one thread while an equal one
+    is allocated on another counts twice in the resident set until the free pages are trimmed.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
