@@ -15,6 +15,7 @@ rewards are real), with vLLM's smallest CPU-friendly shape (head_dim 32).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -98,6 +101,30 @@ def grpo_overrides(policy: Path, reward_url: str, out: Path, steps: int) -> list
             "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
 
 
+@contextlib.contextmanager
+def _cli_run(overrides: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """`megarl train` in its own process, on a fresh local Ray; killed on the way out if still running."""
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.cli.main", "train", *overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "RAY_ADDRESS": "", **(env or {})})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _ended_by(proc: subprocess.Popen, kill: Callable[[], None]) -> tuple[str, float]:
+    """Calls ``kill`` and waits (90 s at most) for the run to end: its output, and the seconds it took."""
+    kill()
+    killed_at = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run did not end within 90 s of the kill:\n{proc.communicate()[0][-4000:]}")
+    return output, time.monotonic() - killed_at
+
+
 def _config(overrides: list[str], recipe: str | Path = DEFAULT) -> RunConfig:
     cfg = load_config(RunConfig, recipe, overrides)
     validate_run(cfg)
@@ -137,27 +164,14 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     # The same run in its own process, killed (SIGKILL of the actor's rank) once step 2's
     # checkpoint exists: the run must end on its own within 60 s, naming role, rank and phase.
     run_dir = tmp_path / "killed"
-    cli = [sys.executable, "-m", "megarl.cli.main", "train", *grpo_overrides(policy, reward_url, run_dir, steps=40)]
-    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RAY_ADDRESS": ""})
-    try:
+    with _cli_run(grpo_overrides(policy, reward_url, run_dir, steps=40)) as proc:
         deadline = time.monotonic() + 400
         while not (run_dir / "checkpoints" / "latest").is_file():
             assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
             assert time.monotonic() < deadline, "no checkpoint within 400 s"
             time.sleep(0.5)
         actor_pid = json.loads((run_dir / "workers.json").read_text())["actor"][0]
-        os.kill(actor_pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        try:
-            output, _ = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"the run did not end within 90 s of the kill:\n{proc.communicate()[0][-4000:]}")
-        took = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        output, took = _ended_by(proc, lambda: os.kill(actor_pid, signal.SIGKILL))
     assert proc.returncode == 1, output[-3000:]
     assert took < 60, f"the run took {took:.0f} s to end after the kill"
     failure = [line for line in output.splitlines() if "megarl train: failed" in line]
@@ -296,3 +310,90 @@ def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward
     assert {name: len(pids) for name, pids in groups.items()} == {"actor": 2, "reference": 1, "critic": 1,
                                                                  "reward_model": 1}
     assert len({pid for pids in groups.values() for pid in pids}) == 5  # one process per rank and role
+
+
+# ---------------------------------------------------------------- processes that die mid-run
+
+def _marked_processes(marker: str) -> list[str]:
+    """Every process whose environment carries ``marker``: all that one run started (Ray's own
+    daemons and agents, rank workers, vLLM's engine core and workers inherit the driver's
+    environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(f"{entry.name} {(entry / 'cmdline').read_bytes()[:80]!r}")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if json.loads((run_dir / "progress.json").read_text()) == {"step": step, "phase": phase}:
+                return
+        except (OSError, ValueError):  # not written yet
+            pass
+        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"step {step}, phase {phase!r} not reached within {timeout_s} s"
+        time.sleep(0.01)
+
+
+# (the process to kill: a vLLM process of engine 0 or the driver itself; the step and phase to kill
+# it in; the phases the failure may name; how many steps the same command then resumes to, compared
+# with the straight run). Between steps the engine is idle, and the tiny model's update is over
+# before the watchdog's next look: the run notices in the phase after, still in step 3.
+DEATHS = {
+    "core-during-generate": ("VLLM::EngineCore", 3, "rollout", ("rollout",), 4),
+    "worker-during-weight-sync": ("VLLM::Worker", 3, "weight_sync", ("weight_sync",), 0),
+    "core-between-steps": ("VLLM::EngineCore", 3, "actor_update", ("actor_update", "weight_sync"), 0),
+    "sigterm-of-the-driver": ("driver", 3, "rollout", (), 3),
+}
+
+
+@pytest.mark.parametrize("case", list(DEATHS))
+def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_url, straight, tmp_path):
+    """kill -9 of vLLM's engine core or its worker, while the engine generates, receives weights,
+    or waits for the next step: the run ends within 60 s with one line naming the rollout engine,
+    the process and the phase. SIGTERM of the driver (scancel, kill, Ctrl-C alike) ends it too.
+    Either way every process the run started is gone within 30 s, and the same command resumes
+    from the last checkpoint, repeating the straight run."""
+    from megarl.trainer.loop import train
+
+    victim, step, phase, named_phases, resume_to = DEATHS[case]
+    run_dir = tmp_path / "run"
+    marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
+    overrides = grpo_overrides(policy, reward_url, run_dir, steps=40)
+    if phase == "weight_sync":  # 64 KiB buckets: the sync of the 26 MiB model lasts long enough to hit
+        overrides.append("trainer.bucket_mib=0.0625")
+    with _cli_run(overrides, env=dict([marker.split("=")])) as proc:
+        _wait_for_phase(run_dir, proc, step, phase)
+        if victim == "driver":
+            output, took = _ended_by(proc, lambda: proc.send_signal(signal.SIGTERM))
+        else:
+            engines = json.loads((run_dir / "engines.json").read_text())
+            pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith(victim))
+            output, took = _ended_by(proc, lambda: os.kill(pid, signal.SIGKILL))
+    print(f"{case}: the run ended {took:.1f} s after the kill")
+    assert took < 60, f"the run took {took:.0f} s to end after the kill"
+    if victim == "driver":
+        assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    else:
+        assert proc.returncode == 1, output[-3000:]
+        [failure] = [line for line in output.splitlines() if "megarl train: failed" in line]
+        assert any(f"step {step}, phase {p!r}" in failure for p in named_phases), failure
+        assert "rollout engine 0" in failure and victim in failure, failure
+        assert "\x1b" not in failure and "Traceback" not in failure
+    deadline = time.monotonic() + 30
+    while (left := _marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"left running 30 s after the run ended: {left}"
+
+    if resume_to:  # the same command again resumes from step 2's checkpoint and repeats the straight run
+        resumed = train(_config(grpo_overrides(policy, reward_url, run_dir, steps=resume_to)))
+        assert [h["step"] for h in _read_metrics(run_dir)] == list(range(1, resume_to + 1))
+        assert _comparable(resumed) == _comparable(straight)[:resume_to]
