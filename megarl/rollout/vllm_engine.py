@@ -25,11 +25,9 @@ WATCH_GROUP = "watch"
 
 
 def _watch_method(fn):
-    """Runs ``fn`` in the engine actor's watch group; a plain attribute where Ray is not used."""
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - Ray is a dependency; keep the engine usable without it
-        return fn
+    """Runs ``fn`` in the engine actor's watch group (an attribute Ray reads; a plain method otherwise)."""
+    import ray
+
     return ray.method(concurrency_group=WATCH_GROUP)(fn)
 
 

@@ -119,7 +119,7 @@ class Run:
                                  answer_timeout_s=max(30.0, tr.collective_timeout_s, 10 * tr.watchdog_interval_s))
         for role in self.roles.values():
             self.watchdog.watch_group(role.group)
-        healths = wait_all([e.health.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s,
+        healths = wait_all([e.health.remote() for e in self.engines], tr.collective_timeout_s,
                            "the engines' first liveness check")
         for index, engine in enumerate(self.engines):
             self.watchdog.watch_engine(index, engine)
@@ -196,7 +196,6 @@ class Run:
         Colocated, the Megatron roles are off the device while vLLM generates, and back on it
         (vLLM asleep) when this returns.
         """
-
         from megarl.data.tokenize import tokenize_prompts
         from megarl.rewards.base import RewardInput
         from megarl.rollout.sampling import SamplingConfig
@@ -241,7 +240,6 @@ class Run:
         up everything but the actor's weights, vLLM wakes its weights, the sync runs, vLLM's
         KV cache comes back, and the actor's weights leave once the check has used them.
         """
-
         sharing = self.colocated_roles()
         for name, role in sharing.items():
             self.offloaded_bytes += role.offload(("grads", "optimizer") if name == "actor" else offload_fns.PARTS)
@@ -267,7 +265,6 @@ class Run:
 
     def _swap_out_of_rollout(self) -> None:
         """Colocated: vLLM sleeps (weights and KV cache freed on GPU) and the Megatron roles come back."""
-
         sharing = self.colocated_roles()
         if sharing:
             wait_all([e.sleep.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s, "vLLM's sleep")
