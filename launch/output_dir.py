@@ -17,8 +17,8 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    from megarl.cli.train import load_run_config
     from megarl.config.loader import ConfigError
+    from megarl.recipes import load_run_config
 
     try:
         print(load_run_config(argv[0], argv[1:]).output_dir)

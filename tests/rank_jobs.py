@@ -200,7 +200,8 @@ def nccl_all_reduce() -> float:
 
 def corrupt_in_flight(param: str) -> None:
     """From now on this rank sends a perturbed copy of ``param`` (its own weights stay intact)."""
-    from megarl.reshard import actor_fns, transport
+    from megarl.reshard import transport
+    from megarl.workers import sync_fns
 
     def faulty_run(group, fragment, params, finalize=None):
         def lookup(name):
@@ -208,13 +209,14 @@ def corrupt_in_flight(param: str) -> None:
             return tensor * 1.5 + 0.1 if name == param else tensor
         return transport.run_fragment(group, fragment, lookup, finalize)
 
-    actor_fns.run_fragment = faulty_run
+    sync_fns.run_fragment = faulty_run
 
 
 def restore_send() -> None:
-    from megarl.reshard import actor_fns, transport
+    from megarl.reshard import transport
+    from megarl.workers import sync_fns
 
-    actor_fns.run_fragment = transport.run_fragment
+    sync_fns.run_fragment = transport.run_fragment
 
 
 # --- vocab-parallel log-probabilities and entropy --------------------------------------------

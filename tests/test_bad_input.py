@@ -331,9 +331,9 @@ def _imported() -> None:
     import reasoning_gym  # noqa: F401
 
     import megarl.cli.main  # noqa: F401
-    import megarl.config.validate  # noqa: F401
     import megarl.convert.checkpoint  # noqa: F401
     import megarl.convert.hf_io  # noqa: F401
+    import megarl.validation.checks  # noqa: F401
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ def test_report_pools_rounds_and_judges_the_ratio_against_the_target():
 
 
 def _demo_config(*overrides: str):
-    from megarl.cli.train import load_run_config
+    from megarl.recipes import load_run_config
 
     return load_run_config(None, list(overrides))
 

@@ -13,8 +13,9 @@ from megarl.config.schema import (
     RoleConfig,
     RunConfig,
 )
-from megarl.config.validate import padded_vocab_size, validate_run
+from megarl.models.layout import padded_vocab_size
 from megarl.platform import Platform
+from megarl.validation.checks import validate_run
 
 CPU = Platform(name="cpu", backend="gloo", has_transformer_engine=False)
 GPU_TE = Platform(name="cuda", backend="nccl", has_transformer_engine=True)

@@ -93,8 +93,8 @@ def test_nccl_weight_sync_after_sleep_and_wake(gpu_rollout, te_model):
     released), train, wake the weights, sync, wake the KV cache; then vLLM's logprobs are the actor's."""
     import ray
 
-    from megarl.reshard.sync import WeightSync
     from megarl.workers import WorkerGroup, megatron_model
+    from megarl.workers.weight_sync import WeightSync
 
     with WorkerGroup("actor-gpu", 1, num_gpus_per_rank=0.5) as actor:
         actor.run(megatron_model.load, key="actor", source=str(te_model), parallel=ParallelConfig())

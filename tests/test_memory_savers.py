@@ -83,7 +83,7 @@ def test_8b_on_16_h100_does_not_pick_a_deep_pipeline():
 
 def test_memory_saver_fields_are_checked_with_their_names():
     from megarl.config.schema import ParallelConfig, RoleConfig
-    from megarl.config.validate_memory import memory_saver_errors
+    from megarl.validation.memory import memory_saver_errors
 
     arch = load_arch("llama3.1-8b")  # 32 layers
     role = RoleConfig(parallel=ParallelConfig(pp=2), recompute=RecomputeConfig("full", "uniform", 3))

@@ -10,7 +10,7 @@ import pytest
 
 from megarl.config.loader import ConfigError, load_config
 from megarl.config.schema import RunConfig
-from megarl.config.validate import validate_run
+from megarl.validation.checks import validate_run
 
 RECIPES = sorted((Path(__file__).parent.parent / "model_configs").glob("*.yaml"))
 # "# ...: 48 GPUs (6 nodes of 8 x H100 80GB)." in a cluster recipe's first line
@@ -44,7 +44,7 @@ def test_cluster_recipe_gpu_count_and_fit(recipe):
     gpus, nodes, per_node, kind = HEADER.search(recipe.read_text().splitlines()[0]).groups()
     cfg = load_config(RunConfig, recipe)
     assert recipe_gpus(cfg) == int(gpus) == int(nodes) * int(per_node)
-    plan = evaluate_recipe(cfg, gpu_spec(GPU_NAMES[kind]))
+    plan = evaluate_recipe(cfg, validate_run(cfg), gpu_spec(GPU_NAMES[kind]))
     over = {group: round(mem.total / GIB, 1) for group, mem in plan.per_gpu.items() if mem.total > plan.capacity}
     assert not over and not plan.problems, (over, plan.problems)
 

@@ -35,8 +35,8 @@ from conftest import build_tiny_policy, with_smollm2_tokenizer
 
 from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
-from megarl.config.validate import validate_run
 from megarl.recipes import DEFAULT
+from megarl.validation.checks import validate_run
 
 
 @pytest.fixture(scope="module")

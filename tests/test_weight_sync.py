@@ -15,8 +15,8 @@ from conftest import build_tiny_hf, random_tokens
 
 from megarl.config.schema import ParallelConfig
 from megarl.reshard.plan import PlanError
-from megarl.reshard.sync import StalePlanError, WeightSync, WeightSyncMismatch
 from megarl.workers import megatron_model
+from megarl.workers.weight_sync import StalePlanError, WeightSync, WeightSyncMismatch
 
 TOL = 1e-3
 BUCKET = 256 * 1024  # small enough that every model spans several buckets

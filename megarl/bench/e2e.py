@@ -20,10 +20,10 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.bench.e2e_records import StepRecord, SystemResult
 from megarl.utils.cores import usable_cores
 
 TARGET_RATIO = 1.5
@@ -42,22 +42,6 @@ def require_trl() -> str:
     except ImportError:
         raise MissingDependency(TRL_MISSING) from None
     return trl.__version__
-
-
-@dataclass
-class StepRecord:
-    tokens: int  # response tokens generated in the step (EOS included, padding not)
-    seconds: float  # the step's wall time
-    reward: float  # mean reward of the step's samples
-
-
-@dataclass
-class SystemResult:
-    system: str
-    steps: list[StepRecord]
-    overhead_s: float  # wall time outside the steps: start-up, final checkpoint, shutdown
-    samples_per_step: int  # responses generated per step (prompts per step x group size)
-    notes: list[str] = field(default_factory=list)
 
 
 def throughput(steps: list[StepRecord], warmup: int = 1) -> tuple[int, float, float]:
@@ -154,8 +138,8 @@ def format_table(report: dict[str, Any]) -> str:
 def bench_config(recipe: str | None, overrides: list[str], steps: int, output_dir: Path):
     """The recipe as megarl trains it here: ``steps`` steps into a fresh directory, no resume,
     no TensorBoard/wandb writers (the logger runs outside the timed step either way)."""
-    from megarl.cli.train import load_run_config
-    from megarl.config.validate import validate_run
+    from megarl.recipes import load_run_config
+    from megarl.validation.checks import validate_run
 
     cfg = load_run_config(recipe, [*overrides, f"trainer.steps={steps}", f"output_dir={output_dir}",
                                    "trainer.resume=never", "trainer.tensorboard=false", "trainer.wandb=false"])

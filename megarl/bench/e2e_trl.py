@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from megarl.bench.e2e import StepRecord, SystemResult
+from megarl.bench.e2e_records import StepRecord, SystemResult
 from megarl.config.schema import RunConfig
 
 # megarl's algorithm options that TRL's GRPOTrainer has no counterpart for here.
@@ -112,10 +112,9 @@ def grpo_settings(cfg: RunConfig, steps: int, output_dir: str | Path, cpu: bool 
 
 def bench_prompts(cfg: RunConfig, steps: int) -> list:
     """The prompt items megarl's run serves in its first ``steps`` steps, in order."""
-    from megarl.trainer.run import Run
+    from megarl.data.prompts import prompt_dataset
 
-    # Run._dataset is the data pipeline megarl's loop draws from; Run(cfg) itself starts nothing.
-    dataset = Run(cfg)._dataset()
+    dataset = prompt_dataset(cfg.data)  # the stream megarl's loop draws from
     return [item for _ in range(steps) for item in dataset.next_batch()]
 
 

@@ -175,8 +175,8 @@ def run_rank_cases(tp: int, cases: list[dict[str, Any]]) -> list[dict[str, float
 
 
 def run_logprob_bench(args: LogprobBenchArgs, progress=print) -> dict[str, Any]:
-    from megarl.config.validate import padded_vocab_size
     from megarl.distributed.spmd import SpmdPool
+    from megarl.models.layout import padded_vocab_size
 
     check_args(args)
     rows = []

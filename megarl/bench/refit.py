@@ -48,8 +48,8 @@ def _human(n: float) -> str:
 def check_args(args: RefitArgs):
     """Refuses a bad layout before anything starts; returns the model's architecture."""
     from megarl.config.loader import ConfigError
-    from megarl.config.validate import parallel_errors
     from megarl.convert.checkpoint import read_model_arch
+    from megarl.models.layout import parallel_errors
     from megarl.reshard.vllm_layout import vllm_padded_vocab
 
     arch = read_model_arch(args.model)
@@ -68,11 +68,12 @@ def check_args(args: RefitArgs):
 def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
     import ray
 
+    from megarl.bench.reference_transfers import full_tensor_seconds, raw_transfer_seconds
     from megarl.cluster.ray_env import ensure_ray
     from megarl.models.bundled import resolve_model_path
-    from megarl.reshard.sync import WeightSync
     from megarl.rollout.remote import start_engine, wait_ready
     from megarl.workers import WorkerGroup, megatron_model
+    from megarl.workers.weight_sync import WeightSync
 
     arch = check_args(args)
     model = str(resolve_model_path(args.model))
@@ -92,15 +93,15 @@ def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
         progress(f"plan: {len(plan.transfers)} transfers in {len(plan.buckets)} bucket(s), {plan_seconds:.2f} s; "
                  "warming up...")
         sync.sync()  # first sync: one-time allocations on both sides
-        sync.raw_transfer_seconds()
+        raw_transfer_seconds(sync)
         reports, raw = [], []
         for i in range(args.repeats):
             reports.append(sync.sync())
-            raw.append(sync.raw_transfer_seconds())
+            raw.append(raw_transfer_seconds(sync))
             progress(f"repeat {i + 1}/{args.repeats}: sync {reports[-1].seconds:.3f} s, raw {raw[-1]:.3f} s")
         baseline = None
         if args.baseline:
-            seconds, received = sync.full_tensor_baseline()
+            seconds, received = full_tensor_seconds(sync)
             baseline = {"seconds": seconds, "received": received}
             sync.sync()  # leave the engine on the sync path's weights
         sync.close()

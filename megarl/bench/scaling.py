@@ -167,8 +167,8 @@ def machine_description() -> dict[str, Any]:
 
 def check_args(args: ScalingArgs) -> list[str]:
     """Every problem with ``args``, each naming its option (empty: the benchmark can start)."""
-    from megarl.config.validate import parallel_errors
     from megarl.models.hf_arch import ArchError, arch_from_hf_config
+    from megarl.models.layout import parallel_errors
 
     errors = []
     if not args.ranks or any(r < 1 for r in args.ranks) or len(set(args.ranks)) != len(args.ranks):
@@ -332,7 +332,8 @@ def _run_rank_count(args: ScalingArgs, ranks: int, config: dict[str, Any], dtype
 def _time_sync(args: ScalingArgs, group, ranks: int, arch: dict[str, Any], dtype: str, engine: Any,
                progress) -> dict[str, float]:
     from megarl.bench import scaling_fns
-    from megarl.reshard.sync import WeightSync
+    from megarl.bench.reference_transfers import raw_transfer_seconds
+    from megarl.workers.weight_sync import WeightSync
 
     group.run(scaling_fns.hold_random_model, key=_SYNC_KEY, arch=arch,
               parallel=ParallelConfig(tp=ranks, world_size=ranks), dtype=dtype)
@@ -341,11 +342,11 @@ def _time_sync(args: ScalingArgs, group, ranks: int, arch: dict[str, Any], dtype
     try:
         for _ in range(max(1, args.warmup)):  # at least one: one-time allocations on both sides
             first = sync.sync()
-            sync.raw_transfer_seconds()
+            raw_transfer_seconds(sync)
         sync_s, raw_s = [], []
         for _ in range(args.repeats):
             sync_s.append(sync.sync().seconds)
-            raw_s.append(sync.raw_transfer_seconds())
+            raw_s.append(raw_transfer_seconds(sync))
     finally:
         sync.close()
     point = {"ranks": ranks, "bytes": sum(first.received.values()), "sync_seconds": statistics.median(sync_s),

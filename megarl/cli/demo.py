@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
 
@@ -67,12 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def convert_args(argv: list[str]) -> argparse.Namespace:
-    from megarl.cli.main import build_parser
+    """``megarl convert`` arguments, parsed by that command's own parser."""
+    from megarl.convert import cli as convert_cli
 
-    return build_parser().parse_args(["convert", *argv])
-
-
-if __name__ == "__main__":
-    from megarl.cli.main import main
-
-    sys.exit(main(["demo"]))
+    parser = argparse.ArgumentParser(prog="megarl")
+    convert_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["convert", *argv])

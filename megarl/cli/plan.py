@@ -75,7 +75,7 @@ _RANGES = (
 
 def range_problem(args: argparse.Namespace) -> str | None:
     """The first option out of its range, as '--flag=value must be ...'; None when all are fine."""
-    from megarl.config.validate import out_of_range
+    from megarl.validation.checks import out_of_range
 
     for flag, dest, interval in _RANGES:
         problem = out_of_range(flag, getattr(args, dest, None), interval)
@@ -112,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
     from megarl.plan.report import format_plan
     from megarl.plan.search import NoFit, PlanInputs, plan
     from megarl.plan.steptime import RLShape
+    from megarl.validation import validate_run
 
     gpu = gpu_spec(args.gpu, **{k: getattr(args, k) for k in ("memory_gib", "bf16_tflops", "hbm_gbps",
                                                               "nvlink_gbps", "interconnect_gbps", "pcie_gbps",
@@ -121,13 +122,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         arch, recipe = _model(args.model)
         if recipe is not None and args.gpus is None:
-            result = evaluate_recipe(recipe, gpu, eff)
+            result = evaluate_recipe(recipe, validate_run(recipe), gpu, eff)
             rl = rl_shape(recipe)
             print(format_plan(result, gpu, eff, rl, f"recipe {args.model}"))
             return 0 if result.fits else 2
         if recipe is not None:
-            from megarl.config.validate import validate_run
-
             arch = validate_run(recipe)["actor"]
             rl = replace(rl_shape(recipe), algo=args.algo or rl_shape(recipe).algo)
         else:

@@ -31,22 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def load_run_config(recipe: str | None, overrides: list[str]):
-    from megarl.config.loader import load_config
-    from megarl.config.schema import RunConfig
-    from megarl.recipes import DEFAULT
-
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        overrides, recipe = [recipe, *overrides], None  # `megarl train a.b=1` overrides the default
-    return load_config(RunConfig, recipe or DEFAULT, overrides)
-
-
 def run(args: argparse.Namespace) -> int:
     import yaml
 
     from megarl.config.loader import ConfigError
-    from megarl.config.validate import validate_run
     from megarl.models.hf_arch import ArchError
+    from megarl.recipes import load_run_config
+    from megarl.validation.checks import validate_run
 
     try:
         cfg = load_run_config(args.recipe, args.overrides)

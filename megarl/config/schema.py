@@ -1,7 +1,7 @@
 """Typed configuration: one dataclass per concern, nested per role.
 
 Loaded from YAML with dotted overrides (``actor.parallel.tp=4``) by
-``megarl.config.loader``; checked by ``megarl.config.validate`` before any
+``megarl.config.loader``; checked by ``megarl.validation.checks`` before any
 process starts.
 """
 

@@ -13,8 +13,8 @@ import time
 
 from megarl.config.loader import ConfigError
 from megarl.config.schema import DTYPES, ParallelConfig
-from megarl.config.validate import parallel_errors
 from megarl.models.hf_arch import ArchError, ModelArch
+from megarl.models.layout import parallel_errors
 
 DESCRIPTION = """Convert checkpoints between Hugging Face and megatron-core (dist_checkpointing).
 

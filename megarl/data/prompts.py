@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.config.schema import DataConfig
+from megarl.data.dataset import PromptDataset
+
 ROLES = ("system", "user", "assistant", "tool")
 
 DEFAULT_INSTRUCTION = "{question}\n\nGive the final answer inside <answer></answer>."
@@ -159,3 +162,14 @@ def from_reasoning_gym(name: str, size: int, seed: int, instruction_template: st
         items.append(PromptItem(messages=messages,
                                 metadata={"answer": entry["answer"], "dataset": name, "entry": entry}))
     return items
+
+
+def prompt_dataset(data: DataConfig) -> PromptDataset[PromptItem]:
+    """The run's prompt stream as ``data`` describes it: a reasoning-gym task or a prompt file."""
+    if data.source.startswith("reasoning_gym:"):
+        items = from_reasoning_gym(data.source.split(":", 1)[1], size=data.size, seed=data.seed,
+                                   instruction_template=data.instruction or DEFAULT_INSTRUCTION,
+                                   system_prompt=data.system_prompt, **data.task_config)
+    else:
+        items = load_prompts(data.source, prompt_key=data.prompt_key)
+    return PromptDataset(items, batch_size=data.prompts_per_step, seed=data.seed)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from megarl.config.schema import ParallelConfig, PrecisionConfig, RecomputeConfig
-from megarl.config.validate import padded_vocab_size
 from megarl.models.hf_arch import ModelArch
+from megarl.models.layout import padded_vocab_size
 from megarl.models.value_head import ValueHead
 from megarl.platform import current_platform, gpt_layer_spec
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import replace
 
 from megarl.config.schema import RunConfig
-from megarl.config.validate import validate_run
+from megarl.models.hf_arch import ModelArch
 from megarl.plan import steptime
 from megarl.plan.hardware import GIB, Efficiency, GpuSpec
 from megarl.plan.memory import (
@@ -60,11 +60,11 @@ def rl_shape(cfg: RunConfig) -> RLShape:
                    ppo_epochs=cfg.algorithm.ppo_epochs, minibatches=cfg.algorithm.minibatches)
 
 
-def evaluate_recipe(cfg: RunConfig, gpu: GpuSpec, eff: Efficiency | None = None,
+def evaluate_recipe(cfg: RunConfig, archs: dict[str, ModelArch], gpu: GpuSpec, eff: Efficiency | None = None,
                     attention: str = "flash") -> Plan:
-    """The recipe's layouts as written: memory per GPU group and the step-time estimate."""
+    """The recipe's layouts as written (``archs``: each role's architecture, from run validation):
+    memory per GPU group and the step-time estimate."""
     eff = eff or Efficiency()
-    archs = validate_run(cfg)
     rl = rl_shape(cfg)
     roles: dict[str, RolePlan] = {}
     for name, role in cfg.roles().items():

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import AlgorithmConfig, RunConfig
+from megarl.data.prompts import prompt_dataset
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger
@@ -90,13 +91,13 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(str(actor_hf))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
-        self.dataset = self._dataset()
+        self.dataset = prompt_dataset(cfg.data)
         self.reward = RunReward(cfg.rewards)
         self.engines = self._start_engines(actor_hf, slots["rollout"])
         for name, role_cfg in cfg.roles().items():
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
-        from megarl.reshard.sync import WeightSync
         from megarl.rollout.remote import wait_ready
+        from megarl.workers.weight_sync import WeightSync
 
         wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
         self.sync = WeightSync(self.roles["actor"].group, "actor", self.engines,
@@ -127,19 +128,6 @@ class Run:
                    for i, h in enumerate(healths)]
         write_text_atomic(self.run_dir / "engines.json", json.dumps(engines, indent=2))
         self.watchdog.start()
-
-    def _dataset(self):
-        from megarl.data.dataset import PromptDataset
-        from megarl.data.prompts import DEFAULT_INSTRUCTION, from_reasoning_gym, load_prompts
-
-        data = self.cfg.data
-        if data.source.startswith("reasoning_gym:"):
-            items = from_reasoning_gym(data.source.split(":", 1)[1], size=data.size, seed=data.seed,
-                                       instruction_template=data.instruction or DEFAULT_INSTRUCTION,
-                                       system_prompt=data.system_prompt, **data.task_config)
-        else:
-            items = load_prompts(data.source, prompt_key=data.prompt_key)
-        return PromptDataset(items, batch_size=data.prompts_per_step, seed=data.seed)
 
     def _start_engines(self, actor_hf: Path, slot) -> list:
         from megarl.rollout.remote import start_engine

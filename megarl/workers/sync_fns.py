@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from megarl.reshard.group import free_port, node_ip, open_sync_group
@@ -12,7 +11,7 @@ from megarl.reshard.transport import run_fragment
 from megarl.workers.megatron_model import held
 from megarl.workers.state import state
 
-_KEY = "weight_sync"
+SYNC_STATE_KEY = "weight_sync"
 
 
 def meta(key: str) -> dict | None:
@@ -30,19 +29,20 @@ def join(host: str, port: int, rank_map: dict[int, int], world_size: int, backen
     sync_rank = rank_map.get(dist.get_rank())
     leave()
     if sync_rank is not None:
-        state[_KEY] = {"group": open_sync_group(host, port, sync_rank, world_size, backend, timeout_s), "plans": {}}
+        group = open_sync_group(host, port, sync_rank, world_size, backend, timeout_s)
+        state[SYNC_STATE_KEY] = {"group": group, "plans": {}}
     return sync_rank
 
 
 def install(fragments: dict[int, dict]) -> None:
-    sync = state.get(_KEY)
+    sync = state.get(SYNC_STATE_KEY)
     if sync is not None:
         fragment = fragments[sync["group"].rank]
         sync["plans"][fragment["plan_id"]] = fragment
 
 
 def _fragment(key: str, plan_id: str) -> dict:
-    fragment = state[_KEY]["plans"].get(plan_id)
+    fragment = state[SYNC_STATE_KEY]["plans"].get(plan_id)
     if fragment is None:
         raise RuntimeError(f"weight-sync plan {plan_id} is not installed on this rank")
     current = meta(key)
@@ -55,7 +55,7 @@ def _fragment(key: str, plan_id: str) -> dict:
 def check(key: str, plan_id: str) -> str | None:
     """Why the installed plan no longer fits this rank, or None (a stale plan is not a rank failure)."""
     try:
-        if _KEY in state:
+        if SYNC_STATE_KEY in state:
             _fragment(key, plan_id)
         elif meta(key) is not None:
             return ("stale weight-sync plan: this rank now sources weights but is not in the plan; "
@@ -69,45 +69,30 @@ def send(key: str, plan_id: str) -> dict | None:
     """Sends this rank's shards; WeightSync.sync has just run ``check`` on every rank."""
     from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
 
-    if _KEY not in state:
+    if SYNC_STATE_KEY not in state:
         return None
-    fragment = state[_KEY]["plans"].get(plan_id)
+    fragment = state[SYNC_STATE_KEY]["plans"].get(plan_id)
     if fragment is None:
         raise RuntimeError(f"weight-sync plan {plan_id} is not installed on this rank")
     model = held(key)
     reset_peak_rss()
     rss_at_start = current_rss()
     tensors = source_tensors(model.chunks, model.spec, model.info)
-    stats = run_fragment(state[_KEY]["group"], fragment, tensors.__getitem__)
-    return {"rank": state[_KEY]["group"].rank, "bytes_sent": stats.bytes_sent, "seconds": stats.seconds,
+    stats = run_fragment(state[SYNC_STATE_KEY]["group"], fragment, tensors.__getitem__)
+    return {"rank": state[SYNC_STATE_KEY]["group"].rank, "bytes_sent": stats.bytes_sent, "seconds": stats.seconds,
             "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages,
             "peak_rss_above_start": peak_rss() - rss_at_start,
             "largest_param_bytes": max(t.numel() * t.element_size() for t in tensors.values())}
 
 
 def checksums(key: str, plan_id: str) -> dict[tuple[int, str], float] | None:
-    if _KEY not in state:
+    if SYNC_STATE_KEY not in state:
         return None
     model = held(key)
     return expected_checksums(_fragment(key, plan_id), model.chunks, model.spec, model.info)
 
 
-def send_raw(pairs: dict[int, list[tuple[int, int]]]) -> float | None:
-    """Sends plain buffers of the given sizes to each destination: the raw-transfer reference."""
-    import time
-
-    if _KEY not in state:
-        return None
-    group = state[_KEY]["group"]
-    buffers = [(dst, torch.empty(nbytes, dtype=torch.uint8)) for dst, nbytes in pairs.get(group.rank, [])]
-    started = time.perf_counter()
-    works = [group.send([buffer], dst, 0) for dst, buffer in buffers]
-    for work in works:
-        work.wait()
-    return time.perf_counter() - started
-
-
 def leave() -> None:
-    sync = state.pop(_KEY, None)
+    sync = state.pop(SYNC_STATE_KEY, None)
     if sync is not None:
         sync["group"].close()

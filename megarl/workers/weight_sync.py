@@ -19,10 +19,9 @@ from typing import Any
 import torch
 
 from megarl.platform import current_platform
-from megarl.reshard import actor_fns
 from megarl.reshard.plan import DestRank, ParamInfo, PlanError, SourceRank, SyncPlan, build_plan
 from megarl.utils.abort import RUN_ABORT, wait_all
-from megarl.workers import megatron_model
+from megarl.workers import megatron_model, sync_fns
 
 
 class StalePlanError(PlanError):
@@ -66,13 +65,13 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.plan: SyncPlan | None = None
         self._sources: list[SourceRank] = []
-        self._dests: list[list[DestRank]] = []
+        self.destinations: list[list[DestRank]] = []
 
     # -- setup ----------------------------------------------------------------------------------
 
     def setup(self) -> SyncPlan:
 
-        metas = self.actor.run(actor_fns.meta, key=self.model_key)
+        metas = self.actor.run(sync_fns.meta, key=self.model_key)
         arch = self.actor.run_on([0], _arch, key=self.model_key)[0]
         rank_map: dict[int, int] = {}
         self._sources = []
@@ -81,28 +80,29 @@ class WeightSync:
                 rank_map[global_rank] = len(self._sources)
                 self._sources.append(SourceRank(len(self._sources), meta["layout"], meta["params"]))
         first = len(self._sources)
-        self._dests = []
+        self.destinations = []
         for engine_meta in wait_all([e.param_meta.remote() for e in self.engines], self.timeout_s, "vLLM's shapes"):
             workers = []
             for worker in engine_meta:
                 params = {n: ParamInfo(tuple(shape), dtype) for n, (shape, dtype) in worker["params"].items()}
                 workers.append(DestRank(first + worker["tp_rank"], worker["tp_rank"], worker["tp"], params))
-            self._dests.append(workers)
+            self.destinations.append(workers)
             first += len(workers)
         # Refuses a mismatched engine (PlanError) before any group is formed or byte moved.
-        self.plan = build_plan(arch, self._sources, [d for ws in self._dests for d in ws], self.bucket_bytes)
+        self.plan = build_plan(arch, self._sources, [d for ws in self.destinations for d in ws], self.bucket_bytes)
         world = first
         host_rank = next(g for g, s in rank_map.items() if s == 0)
-        host, port = self.actor.run_on([host_rank], actor_fns.address)[0]
-        pending = self.actor.submit(actor_fns.join, host=host, port=port, rank_map=rank_map, world_size=world,
+        host, port = self.actor.run_on([host_rank], sync_fns.address)[0]
+        pending = self.actor.submit(sync_fns.join, host=host, port=port, rank_map=rank_map, world_size=world,
                                     backend=self.backend, timeout_s=self.timeout_s)
         joins = [e.join_sync_group.remote(host, port, ws[0].rank, world, self.backend, self.timeout_s)
-                 for e, ws in zip(self.engines, self._dests, strict=True)]
+                 for e, ws in zip(self.engines, self.destinations, strict=True)]
         wait_all(joins, self.timeout_s, "joining the weight-sync group")
         pending.result(self.timeout_s)
-        self.actor.run(actor_fns.install, fragments={s.rank: self.plan.fragment(s.rank) for s in self._sources})
+        self.actor.run(sync_fns.install, fragments={s.rank: self.plan.fragment(s.rank) for s in self._sources})
         wait_all([e.install_plan.remote({d.rank: self.plan.fragment(d.rank) for d in ws})
-                  for e, ws in zip(self.engines, self._dests, strict=True)], self.timeout_s, "installing the sync plan")
+                  for e, ws in zip(self.engines, self.destinations, strict=True)],
+                 self.timeout_s, "installing the sync plan")
         return self.plan
 
     # -- sync -----------------------------------------------------------------------------------
@@ -116,14 +116,14 @@ class WeightSync:
         plan_id = self.plan.plan_id
         # Both sides confirm the plan still fits before any byte moves: a stale plan must fail
         # here, not leave one side waiting in a receive the other will never send.
-        problems = self.actor.run(actor_fns.check, key=self.model_key, plan_id=plan_id, timeout_s=self.timeout_s)
+        problems = self.actor.run(sync_fns.check, key=self.model_key, plan_id=plan_id, timeout_s=self.timeout_s)
         problems += [p for found in wait_all([e.check_plan.remote(plan_id) for e in self.engines], self.timeout_s,
                                              "checking the sync plan") for p in found]
         problems = [p for p in problems if p]
         if problems:
             raise StalePlanError(problems[0])
         started = time.perf_counter()
-        pending = self.actor.submit(actor_fns.send, key=self.model_key, plan_id=plan_id)
+        pending = self.actor.submit(sync_fns.send, key=self.model_key, plan_id=plan_id)
         receiving = [e.receive_weights.remote(plan_id, check) for e in self.engines]
         deadline = time.monotonic() + self.timeout_s
         # The engines wait for bytes from the actor: if an actor rank dies, stop waiting at
@@ -152,7 +152,7 @@ class WeightSync:
 
     def _compare_checksums(self, workers: list[dict]) -> list[str]:
         expected: dict[tuple[int, str], float] = {}
-        for part in self.actor.run(actor_fns.checksums, key=self.model_key, plan_id=self.plan.plan_id):
+        for part in self.actor.run(sync_fns.checksums, key=self.model_key, plan_id=self.plan.plan_id):
             for k, value in (part or {}).items():
                 expected[k] = expected.get(k, 0.0) + value
         mismatches = []
@@ -189,48 +189,11 @@ class WeightSync:
                                      f"token_mult_prob_error {worst.token_mult_prob_error:.4f}){culprit}")
         return worst
 
-    # -- reference transfers (benchmark) ------------------------------------------------------
-
-    def raw_transfer_seconds(self) -> float:
-        """The same bytes between the same (source, destination) pairs as plain buffers."""
-        import ray
-
-        pairs: dict[int, dict[int, int]] = {}
-        for t in self.plan.transfers:
-            pairs.setdefault(t.src, {}).setdefault(t.dst, 0)
-            pairs[t.src][t.dst] += t.nbytes
-        send = {src: sorted(d.items()) for src, d in pairs.items()}
-        recv: dict[int, list[tuple[int, int]]] = {}
-        for src, dsts in pairs.items():
-            for dst, nbytes in dsts.items():
-                recv.setdefault(dst, []).append((src, nbytes))
-        started = time.perf_counter()
-        pending = self.actor.submit(actor_fns.send_raw, pairs=send)
-        ray.get([e.receive_raw.remote({d.rank: recv.get(d.rank, []) for d in ws})
-                 for e, ws in zip(self.engines, self._dests, strict=True)], timeout=self.timeout_s)
-        pending.result(self.timeout_s)
-        return time.perf_counter() - started
-
-    def full_tensor_baseline(self) -> tuple[float, dict[int, int]]:
-        """The peers' way: every full tensor to every worker, loaded by vLLM (seconds, bytes per worker)."""
-        import ray
-
-        from megarl.reshard import baseline
-
-        listing = self.actor.run_on([0], baseline.hf_listing, key=self.model_key)[0]
-        destinations = [d.rank for workers in self._dests for d in workers]
-        started = time.perf_counter()
-        pending = self.actor.submit(baseline.send_full_tensors, key=self.model_key, destinations=destinations)
-        received = ray.get([e.receive_full_tensors.remote(listing) for e in self.engines], timeout=self.timeout_s)
-        pending.result(self.timeout_s)
-        seconds = time.perf_counter() - started
-        return seconds, {w["rank"]: w["bytes_received"] for engine in received for w in engine}
-
     def close(self) -> None:
         import ray
 
         if self.actor.alive:
-            self.actor.run(actor_fns.leave)
+            self.actor.run(sync_fns.leave)
         ray.get([e.leave_sync_group.remote() for e in self.engines], timeout=self.timeout_s)
         self.plan = None
 

@@ -5,71 +5,11 @@ from __future__ import annotations
 import math
 
 from megarl.config.loader import ConfigError
-from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, ParallelConfig, PrecisionConfig, RunConfig
-from megarl.config.validate_memory import memory_saver_errors
+from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, PrecisionConfig, RunConfig
 from megarl.models.hf_arch import ArchError, ModelArch
+from megarl.models.layout import parallel_errors
 from megarl.platform import Platform, current_platform
-
-
-def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[str]:
-    """Layout problems of ``par`` for ``arch``; ``where`` prefixes field names (e.g. 'actor.parallel')."""
-    errors = []
-    for name in ("tp", "pp", "cp", "ep"):
-        if getattr(par, name) < 1:
-            errors.append(f"{where}.{name}={getattr(par, name)} must be >= 1")
-    if errors:
-        return errors
-    if arch.num_heads % par.tp:
-        errors.append(f"{where}.tp={par.tp} does not divide num_attention_heads={arch.num_heads}")
-    if arch.num_kv_heads % par.tp:
-        errors.append(f"{where}.tp={par.tp} does not divide the query groups "
-                      f"(num_key_value_heads={arch.num_kv_heads})")
-    if arch.ffn_hidden_size % par.tp:
-        errors.append(f"{where}.tp={par.tp} does not divide intermediate_size={arch.ffn_hidden_size}")
-    errors += _pipeline_errors(arch, par, where)
-    if par.sequence_parallel and par.tp == 1:
-        errors.append(f"{where}.sequence_parallel=true needs tp > 1")
-    if par.ep > 1 and not arch.is_moe:
-        errors.append(f"{where}.ep={par.ep} needs a mixture-of-experts model ({arch.family} has none)")
-    if arch.is_moe and arch.num_experts % par.ep:
-        errors.append(f"{where}.ep={par.ep} does not divide num_local_experts={arch.num_experts}")
-    ranks = par.ranks
-    if ranks % par.model_parallel_size:
-        errors.append(f"{where}.world_size={ranks} is not a multiple of tp*pp*cp="
-                      f"{par.model_parallel_size}")
-    elif par.dp is not None and par.world_size is not None and ranks != par.model_parallel_size * par.dp:
-        errors.append(f"{where}.world_size={ranks} != tp*pp*cp*dp = "
-                      f"{par.tp}*{par.pp}*{par.cp}*{par.dp}")
-    if par.ep > 1 and (ranks // (par.tp * par.pp)) % par.ep:
-        errors.append(f"{where}.ep={par.ep} does not divide the {ranks // (par.tp * par.pp)} "
-                      "ranks of a pipeline stage's data-parallel x context-parallel group")
-    return errors
-
-
-def _pipeline_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[str]:
-    layers, pp = arch.num_layers, par.pp
-    first, last = par.first_stage_layers, par.last_stage_layers
-    if (first is not None or last is not None) and pp == 1:
-        return [f"{where}.first_stage_layers/last_stage_layers need pp > 1"]
-    custom = [n for n in (first, last) if n is not None]
-    remaining = layers - sum(custom)
-    middle = pp - len(custom)
-    # every stage needs layers: the middle stages exist exactly when layers remain for them
-    if any(n < 1 for n in custom) or remaining < 0 or (middle == 0) != (remaining == 0):
-        return [f"{where}: first_stage_layers={first}, last_stage_layers={last} do not fit "
-                f"{layers} layers over pp={pp} stages"]
-    if middle and remaining % middle:
-        what = "num_hidden_layers" if not custom else "the layers left after the explicit split"
-        return [f"{where}.pp={pp} does not divide {what} ({remaining}); "
-                f"set {where}.first_stage_layers / last_stage_layers for an uneven split"]
-    if par.vpp is not None:
-        if pp < 2 or par.vpp < 2:
-            return [f"{where}.vpp={par.vpp} needs pp > 1 and vpp > 1"]
-        if custom:
-            return [f"{where}.vpp with an explicit first/last stage split is not supported"]
-        if (layers // pp) % par.vpp:
-            return [f"{where}.vpp={par.vpp} does not divide the {layers // pp} layers per stage"]
-    return []
+from megarl.validation.memory import memory_saver_errors
 
 
 def precision_errors(prec: PrecisionConfig, where: str, platform: Platform) -> list[str]:
@@ -116,11 +56,6 @@ def batching_errors(cfg: RunConfig, name: str, arch: ModelArch, platform: Platfo
             errors.append(f"{name}.share_prompt: {arch.family} attends within a sliding window, which the local "
                           "attention applies in place of the shared-prompt mask; set share_prompt=false")
     return errors
-
-
-def padded_vocab_size(vocab_size: int, pad_multiple: int, tp: int) -> int:
-    multiple = math.lcm(pad_multiple, tp)
-    return -(-vocab_size // multiple) * multiple
 
 
 def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, ModelArch]:
