@@ -271,7 +271,7 @@ MASK4 = (torch.arange(5)[None, :] < torch.tensor([3, 0, 1, 5])[:, None]).float()
 
 
 def test_denominators_carry_the_dr_grpo_length_normaliser():
-    from megarl.trainer.loop import denominators
+    from megarl.trainer.update_batches import denominators
 
     # dp 2, one minibatch: 9 tokens, 3 sequences with tokens; norm_len = rollout.max_tokens = 8
     # (before: no norm_len at all, so the ranks divided each sequence's token sum by 1)
@@ -285,7 +285,7 @@ def test_denominators_carry_the_dr_grpo_length_normaliser():
 
 
 def test_dr_grpo_shards_sum_to_the_documented_aggregate():
-    from megarl.trainer.loop import denominators
+    from megarl.trainer.update_batches import denominators
 
     # loss 1 on every token: sequence sums 3, 0, 1, 5. Documented "seq-mean-token-sum":
     # mean over the 3 sequences with tokens of (sum / norm_len 8) = (3 + 1 + 5) / 8 / 3 = 0.375

@@ -13,9 +13,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from megarl.rewards import (
-    ClippedReward,
-    CombinedReward,
-    FormatReward,
     MathVerifyReward,
     ReasoningGymReward,
     RemoteReward,
@@ -287,26 +284,16 @@ def test_remote_checks_before_sending():
 
 # ---------------------------------------------------------------- combinations
 
-def test_combined_and_clipped():
-    correct = lambda samples: [1.0 if s.response == "right" else 0.0 for s in samples]
-    length = lambda samples: [float(len(s.response)) for s in samples]
-    combined = CombinedReward([(correct, 1.0), (length, -0.1)])
-    batch = [sample("right"), sample("wrong!")]
-    assert combined(batch) == pytest.approx([1.0 - 0.5, -0.6])
-    assert combined.components(batch) == [[1.0, 0.0], [5.0, 6.0]]
-    assert ClippedReward(length, low=0.0, high=5.5)(batch) == [5.0, 5.5]
-    with_format = CombinedReward([(FormatReward(), 0.2), (MathVerifyReward(), 1.0)])
-    assert with_format([sample("<answer>1/2</answer>", answer="0.5"), sample("<answer>3</answer>", answer="0.5"),
-                        sample("0.5", answer="0.5")]) == pytest.approx([1.2, 0.2, 0.0])
+def test_run_reward_weighs_its_terms_and_names_a_bad_one():
+    from megarl.config.schema import RewardTermConfig
+    from megarl.trainer.rewards import RunReward
 
-
-def test_combined_errors_name_the_term():
-    with pytest.raises(ValueError, match="at least one"):
-        CombinedReward([])
-    with pytest.raises(ValueError, match="term 0 .*weight must be a finite number"):
-        CombinedReward([(FormatReward(), float("nan"))])
-    short = lambda samples: [0.0]
-    with pytest.raises(ValueError, match=r"\(term 1\): returned 1 rewards for 2 samples"):
-        CombinedReward([(FormatReward(), 1.0), (short, 1.0)])([sample("a"), sample("b")])
-    with pytest.raises(ValueError, match="low 1 > high 0"):
-        ClippedReward(FormatReward(), low=1, high=0)
+    reward = RunReward([RewardTermConfig(kind="format", weight=0.2), RewardTermConfig(kind="math_verify")])
+    batch = [sample("<answer>1/2</answer>", answer="0.5"), sample("<answer>3</answer>", answer="0.5"),
+             sample("0.5", answer="0.5")]
+    total, parts = reward.score(batch)
+    assert total.tolist() == pytest.approx([1.2, 0.2, 0.0])
+    assert parts["reward/format"].tolist() == [1.0, 1.0, 0.0] and parts["reward/math_verify"].tolist() == [1, 0, 0]
+    reward.functions[1] = lambda samples: [0.0]
+    with pytest.raises(ValueError, match=r"rewards\[1\] \(math_verify\): returned 1 rewards for 3 samples"):
+        reward.score(batch)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.cluster import ensure_ray, shutdown_ray
 from megarl.config.schema import ParallelConfig
-from megarl.distributed.spmd import free_port
+from megarl.distributed.bringup import free_port
 from megarl.workers import RankState, WorkerGroup, WorkerGroupError, current_rank
 from megarl.workers.state import state
 
@@ -135,7 +135,7 @@ def _fails(call, match: str) -> tuple[WorkerGroupError, float]:
 
 def test_rank_state_is_a_dict_with_helpful_errors():
     s = RankState()
-    s.set("model", 1)
+    s["model"] = 1
     s["optimizer"] = 2
     assert dict(s) == {"model": 1, "optimizer": 2} and s.pop("optimizer") == 2
     with pytest.raises(KeyError, match="no 'engine'.*'model'"):

@@ -233,7 +233,7 @@ def run_scaling(args: ScalingArgs, progress: Callable[..., None] = print) -> dic
     if errors:
         raise ConfigError("invalid benchmark:\n  " + "\n  ".join(errors))
     platform = current_platform()
-    dtype = args.dtype or ("bfloat16" if platform.is_gpu else "float32")
+    dtype = args.dtype or platform.default_dtype
     config = hf_config(args) | {"torch_dtype": dtype}
     ensure_ray()
     if platform.is_gpu:
@@ -310,7 +310,7 @@ def _run_rank_count(args: ScalingArgs, ranks: int, config: dict[str, Any], dtype
     from megarl.workers import WorkerGroup
 
     arch = arch_from_hf_config(config).to_dict()
-    group = WorkerGroup("scaling", ranks, num_gpus_per_rank=1 if current_platform().is_gpu else 0)
+    group = WorkerGroup("scaling", ranks, num_gpus_per_rank=current_platform().gpus_per_rank)
     try:
         for mode in args.modes:
             per_replica = sequences_per_replica(args, mode, ranks)

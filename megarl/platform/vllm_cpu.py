@@ -35,12 +35,3 @@ def prepacked_weights_keep_loaders() -> None:
 
     # vLLM imports it from this module at call time, so replacing the attribute is enough.
     utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
-
-
-def undo() -> None:
-    global _ORIGINAL
-    from vllm.model_executor.layers import utils
-
-    if _ORIGINAL is not None:
-        utils.dispatch_cpu_unquantized_gemm = _ORIGINAL
-        _ORIGINAL = None

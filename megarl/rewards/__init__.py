@@ -1,15 +1,12 @@
-"""Rewards: verifiable rule-based scorers, remote HTTP scorers, and their combinations."""
+"""Rewards: verifiable rule-based scorers and remote HTTP scorers (a run weighs them: megarl.trainer.rewards)."""
 
 from megarl.rewards.base import RewardFn, RewardInput, check_rewards
-from megarl.rewards.combine import ClippedReward, CombinedReward
 from megarl.rewards.extract import EXTRACTORS, resolve_extractor
 from megarl.rewards.remote import RemoteReward, RemoteRewardError
 from megarl.rewards.rule import FormatReward, MathVerifyReward, ReasoningGymReward
 
 __all__ = [
     "EXTRACTORS",
-    "ClippedReward",
-    "CombinedReward",
     "FormatReward",
     "MathVerifyReward",
     "ReasoningGymReward",

@@ -147,7 +147,7 @@ class FormatReward:
     """1.0 when the response states an answer in the expected form, else 0.0.
 
     A small shaping term for models that rarely follow the answer format at first
-    (combine it with a low weight; see :class:`megarl.rewards.combine.CombinedReward`).
+    (give it a low weight beside a correctness term in the run's ``rewards``).
     """
 
     def __init__(self, extractor: str | Extractor = "answer_tag") -> None:

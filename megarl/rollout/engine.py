@@ -1,4 +1,12 @@
-"""What every rollout engine offers the driver (``VLLMEngine`` is the implementation)."""
+"""What a rollout backend offers the driver: the ``RolloutEngine`` interface.
+
+Every caller reaches an engine through a Ray actor handle (``engine.generate.remote(...)``),
+so this protocol names each method any caller uses, with its arguments; ``VLLMEngine`` is
+the implementation, and ``tests/test_rollout_seam.py`` checks both directions (every
+method called on an engine handle is declared here, every method declared here exists on
+``VLLMEngine`` with the same parameters). A new backend implements this, its worker-side
+receiver of the weight-sync plan, and the destination layout the sync planner builds for.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +16,53 @@ from megarl.rollout.sampling import RolloutSample, SamplingConfig
 
 
 class RolloutEngine(Protocol):
+    # -- start-up and liveness (liveness answers while generate or a sync blocks) -----------------
+
+    def ready(self) -> bool:
+        """True once the engine has loaded (returning at all is the signal)."""
+
+    def health(self) -> Any:
+        """The engine's pid, its own processes and those of them that died (``EngineHealth``)."""
+
+    def kill_processes(self) -> int:
+        """SIGKILLs the backend's processes (teardown after a failure); how many it killed."""
+
+    # -- generation and scoring ---------------------------------------------------------------
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
-        """``sampling.n`` samples per prompt: response ids, per-token logprobs, finish reason."""
+        """``sampling.n`` samples per prompt: response ids, per-token log-probs after the
+        sampling transforms (temperature first), finish reason."""
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""
+
+    # -- weight sync (the receiving side of megarl.workers.weight_sync) -----------------------------
 
     def param_meta(self) -> list[dict[str, Any]]:
         """Per worker: its TP rank and its parameters' logical shapes (for sync plans)."""
 
     def join_sync_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                        timeout_s: float = 120.0) -> list[int]: ...
+                        timeout_s: float = 120.0) -> list[int]:
+        """Every worker joins the sync process group; returns their sync ranks."""
 
-    def install_plan(self, fragments: dict[int, dict]) -> None: ...
+    def leave_sync_group(self) -> None: ...
 
-    def check_plan(self, plan_id: str) -> list[str | None]: ...
+    def install_plan(self, fragments: dict[int, dict]) -> None:
+        """Stores each worker's fragment of a sync plan (keyed by sync rank)."""
+
+    def check_plan(self, plan_id: str) -> list[str | None]:
+        """Per worker: None if its installed plan still fits its parameters, else why not."""
 
     def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
-        """Receives this engine's shards in place (the update-weights step of the protocol)."""
+        """Receives this engine's shards in place; per worker, bytes, seconds (and checksums)."""
+
+    # -- memory (colocated placement: megarl.trainer.colocation) ---------------------------------
 
     def sleep(self) -> None:
         """Releases memory for training (GPU: weights, then KV cache; CPU: pauses scheduling)."""
 
-    def wake_up_weights(self) -> None: ...
+    def wake_up_weights(self) -> None:
+        """Weights back first, so the weight sync lands before the KV cache returns."""
 
     def wake_up_kv_cache(self) -> None: ...
 

@@ -16,8 +16,8 @@ def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 1}
-    if current_platform().is_gpu:
-        options["num_gpus"] = tp  # vLLM's TP workers are processes under this actor: give it their GPUs
+    if gpus := current_platform().gpus_per_rank * tp:
+        options["num_gpus"] = gpus  # vLLM's TP workers are processes under this actor: give it their GPUs
     if name:
         options["name"] = name
     if placement_group is not None:

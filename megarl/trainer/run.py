@@ -1,8 +1,9 @@
-"""Everything one RL run holds, built from a validated config, and its per-step helpers.
+"""Everything one RL run holds, started from a validated config, and stopped as a whole.
 
-``megarl.trainer.loop`` drives a ``Run``; this module is where the roles (Megatron
-groups and vLLM engines), the data, the rewards, the weight sync, logging and
-checkpoints are put together. A failure in any phase is re-raised as
+``megarl.trainer.loop`` drives a ``Run``. This module assembles the pieces (Megatron
+roles, vLLM engines, the rollout manager, the colocation hand-overs, the weight sync,
+the watchdog, checkpoints) and tears them down; what each piece does lives in its own
+module. A failure in any phase is re-raised as
 ``RunFailed``, naming the step and the phase on top of the role and rank that
 the worker group or engine reported.
 """
@@ -17,17 +18,17 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from megarl.config.schema import AlgorithmConfig, RunConfig
+from megarl.config.schema import RunConfig
 from megarl.data.prompts import prompt_dataset
-from megarl.trainer.batch import RolloutBatch, build_batch
+from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.colocation import Colocation
 from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.rewards import RunReward
 from megarl.trainer.roles import MegatronRole
+from megarl.trainer.rollout_manager import RolloutManager
 from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
-from megarl.workers import offload_fns
 from megarl.workers.watchdog import Watchdog
 
 
@@ -54,8 +55,9 @@ class Run:
         self.engines: list = []
         self.sync = None
         self.slots: dict = {}
-        self.offloaded_bytes = 0  # colocated: bytes the Megatron roles moved off the device this step
         self.watchdog: Watchdog | None = None
+        self.rollout: RolloutManager | None = None
+        self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
 
     # -- construction --------------------------------------------------------------------------
 
@@ -80,7 +82,6 @@ class Run:
 
         from megarl.cluster.placement import place
         from megarl.cluster.ray_env import ensure_ray
-        from megarl.trainer.rewards import RunReward
 
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,14 +89,12 @@ class Run:
         ensure_ray()
         slots = self.slots = place(cfg)
         actor_hf = hf_folder(cfg.actor.model.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(actor_hf))
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-            else self.tokenizer.eos_token_id
-        self.dataset = prompt_dataset(cfg.data)
-        self.reward = RunReward(cfg.rewards)
         self.engines = self._start_engines(actor_hf, slots["rollout"])
+        self.rollout = RolloutManager(cfg, self.engines, AutoTokenizer.from_pretrained(str(actor_hf)),
+                                      prompt_dataset(cfg.data), RunReward(cfg.rewards))
         for name, role_cfg in cfg.roles().items():
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
+        self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
         from megarl.rollout.remote import wait_ready
         from megarl.workers.weight_sync import WeightSync
 
@@ -153,6 +152,15 @@ class Run:
         role.load(timeout_minutes=max(1, math.ceil(tr.collective_timeout_s / 60)))
         return role
 
+    def _colocated_roles(self) -> dict[str, MegatronRole]:
+        """The Megatron roles that share the rollout's bundles (none when the rollout has its own)."""
+        from megarl.cluster.placement import role_hosts
+
+        if self.cfg.rollout.colocate_with is None:
+            return {}
+        hosts = role_hosts(self.cfg)
+        return {name: role for name, role in self.roles.items() if hosts[name] == hosts["rollout"]}
+
     # -- steps -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -178,97 +186,15 @@ class Run:
                 found = self.watchdog.check(answer_timeout_s=5.0)
         return found or str(error)
 
-    def generate(self) -> tuple[RolloutBatch, list]:
-        """Samples ``rollout.n`` responses to each of this step's prompts.
-
-        Colocated, the Megatron roles are off the device while vLLM generates, and back on it
-        (vLLM asleep) when this returns.
-        """
-        from megarl.data.tokenize import tokenize_prompts
-        from megarl.rewards.base import RewardInput
-        from megarl.rollout.sampling import SamplingConfig
-
-        r = self.cfg.rollout
-        for role in self.colocated_roles().values():  # a no-op after update_weights, which did it already
-            self.offloaded_bytes += role.offload()
-        items = self.dataset.next_batch()
-        prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
-        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                                  n=r.n, stop_token_ids=[self.tokenizer.eos_token_id],
-                                  seed=self.cfg.seed * 100_003 + self.step)
-        share = -(-len(prompts) // len(self.engines))
-        parts = [prompts[i * share:(i + 1) * share] for i in range(len(self.engines))]
-        calls = [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=True) if p]
-        groups = [g for part in wait_all(calls, self.cfg.trainer.step_timeout_s, "generation") for g in part]
-        self._swap_out_of_rollout()
-        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=r.temperature)
-        inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[i].metadata,
-                              response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
-                  for i, group in enumerate(groups) for s in group]
-        return batch, inputs
-
-    def score(self, batch: RolloutBatch, inputs: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from megarl.algorithms import overlong_penalty
-
-        model_scores = self.roles["reward_model"].scores(batch) if self.reward.needs_model else None
-        scores, parts = self.reward.score(inputs, model_scores)
-        algo = self.cfg.algorithm
-        if algo.overlong_buffer > 0:
-            penalty = overlong_penalty(batch.response_lens, self.cfg.rollout.max_tokens, algo.overlong_buffer,
-                                       algo.overlong_penalty)
-            scores = scores + penalty
-            parts["reward/overlong_penalty"] = penalty
-        return scores, parts
-
-    def update_weights(self, batch: RolloutBatch | None = None) -> dict[str, float]:
-        """Moves the actor's new weights into vLLM; with ``batch``, then checks vLLM's logprobs of a
-        few of its sequences against the actor's (``trainer.verify_sync``) and returns the figures.
-
-        Colocated, in the order that keeps the device's peak lowest: the Megatron roles give
-        up everything but the actor's weights, vLLM wakes its weights, the sync runs, vLLM's
-        KV cache comes back, and the actor's weights leave once the check has used them.
-        """
-        sharing = self.colocated_roles()
-        for name, role in sharing.items():
-            self.offloaded_bytes += role.offload(("grads", "optimizer") if name == "actor" else offload_fns.PARTS)
-        timeout_s = self.cfg.trainer.collective_timeout_s
-        if sharing:
-            wait_all([e.wake_up_weights.remote() for e in self.engines], timeout_s, "vLLM's wake-up")
-        self.sync_report = self.sync.sync()
-        if sharing:
-            wait_all([e.wake_up_kv_cache.remote() for e in self.engines], timeout_s, "vLLM's wake-up")
+    def sync_weights(self, batch: RolloutBatch | None = None) -> dict[str, float]:
+        """The actor's weights into vLLM, colocated or not; with ``batch``, vLLM's log-probs of a
+        few of its sequences checked against the actor's (``trainer.verify_sync``)."""
+        self.colocation.to_sync()
+        self.sync.sync()
+        self.colocation.after_sync()
         verified = self.verify_sync(batch) if batch is not None else {}
-        if "actor" in sharing:
-            self.offloaded_bytes += sharing["actor"].offload()
+        self.colocation.actor_off()
         return verified
-
-    def colocated_roles(self) -> dict[str, MegatronRole]:
-        """The Megatron roles that share the rollout's bundles (none when the rollout has its own)."""
-        from megarl.cluster.placement import role_hosts
-
-        if self.cfg.rollout.colocate_with is None:
-            return {}
-        hosts = role_hosts(self.cfg)
-        return {name: role for name, role in self.roles.items() if hosts[name] == hosts["rollout"]}
-
-    def _swap_out_of_rollout(self) -> None:
-        """Colocated: vLLM sleeps (weights and KV cache freed on GPU) and the Megatron roles come back."""
-        sharing = self.colocated_roles()
-        if sharing:
-            wait_all([e.sleep.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s, "vLLM's sleep")
-            for role in sharing.values():
-                role.onload()
-
-    @contextlib.contextmanager
-    def _roles_on_device(self) -> Iterator[None]:
-        """For work outside the step's flow (checkpoints): colocated roles are brought back, then
-        sent away again, so the run continues in the state it was in."""
-        sharing = {n: r for n, r in self.colocated_roles().items() if r.onload() > 0}
-        try:
-            yield
-        finally:
-            for role in sharing.values():
-                role.offload()
 
     def verify_sync(self, batch: RolloutBatch) -> dict[str, float]:
         if self.cfg.trainer.verify_sync == "never" or (self.cfg.trainer.verify_sync == "first" and self.step > 1):
@@ -283,8 +209,8 @@ class Run:
         return {n: r for n, r in self.roles.items() if n in ("actor", "critic")}
 
     def save(self) -> Path:
-        with self._roles_on_device():
-            return self.checkpoints.save(self.step, self.trained_roles(), {"data": self.dataset.state_dict()})
+        with self.colocation.roles_on_device():
+            return self.checkpoints.save(self.step, self.trained_roles(), {"data": self.rollout.state_dict()})
 
     def resume(self) -> int:
         """Continues from the run directory's latest checkpoint (``trainer.resume: auto``); returns its step."""
@@ -296,9 +222,9 @@ class Run:
         state = self.checkpoints.trainer_state(latest)
         for name, role in self.trained_roles().items():
             role.restore(str(latest / name), with_optimizer=True)
-        self.dataset.load_state_dict(state["data"])
+        self.rollout.load_state_dict(state["data"])
         self.step = state["step"]
-        self.update_weights()
+        self.sync_weights()
         print(f"resumed from {latest} (step {self.step})", flush=True)
         return self.step
 
@@ -331,32 +257,3 @@ class Run:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group)
         RUN_ABORT.reset()
-
-
-def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
-                 ref: torch.Tensor | None, est: dict, algo: AlgorithmConfig) -> dict[str, float]:
-    """What every step logs besides the updates' own metrics; ``old`` holds the actor's
-    ``logprobs`` and ``entropy`` before the update, ``ref`` the reference's log-probs. The
-    mismatch metrics are those of ``algo``'s off-policy correction, as the ranks applied it."""
-    from megarl.algorithms import kl_estimate, masked_mean
-    from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
-
-    mask = batch.mask
-    diff = (old["logprobs"] - batch.rollout_logprobs).abs()
-    groups = scores.view(-1, batch.group_size)
-    out = {
-        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
-        "response/length_mean": float(batch.response_lens.float().mean()),
-        "response/truncated_fraction": sum(r == "length" for r in batch.finish_reasons) / batch.size,
-        "entropy/mean": float(masked_mean(old["entropy"], mask)),
-        "mismatch/max_abs_logprob": float((diff * mask).max()),
-        "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(diff), mask)),
-        "groups/mixed_fraction": float((groups.max(1).values != groups.min(1).values).float().mean()),
-    }
-    if ref is not None:  # k1 over the responses the update learnt from
-        out["kl/mean"] = float(masked_mean(kl_estimate(old["logprobs"], ref, estimator="k1") * est["mask"], mask))
-    for name, values in parts.items():
-        out[name] = float(values.mean())
-    correction = off_policy_correction(algo.off_policy_correction, old["logprobs"], batch.rollout_logprobs, mask,
-                                       cap=algo.is_cap, low=algo.is_low, high=algo.is_high)
-    return out | mismatch_metrics(old["logprobs"], batch.rollout_logprobs, mask, correction)

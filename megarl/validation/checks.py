@@ -369,7 +369,7 @@ def rollout_fit_errors(cfg: RunConfig, actor: ModelArch, platform: Platform) -> 
     if r.max_model_len > limit:
         errors.append(f"rollout.max_model_len={r.max_model_len} is longer than the model's {int(limit)} positions "
                       "(max_position_embeddings in its config.json)")
-    if not platform.is_gpu:
+    if platform.bounded_kv_cache:
         kv_heads = max(1, actor.num_kv_heads // r.tp)
         per_token = 2 * actor.num_layers * kv_heads * actor.head_dim * (4 if r.dtype == "float32" else 2)
         if r.kv_cache_gib * 2**30 < r.max_model_len * per_token:

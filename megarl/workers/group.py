@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
+from megarl.distributed.bringup import free_port, join_process_group
 from megarl.utils.abort import RUN_ABORT
 from megarl.utils.cores import usable_cores
 from megarl.workers.state import RankContext, current_rank, set_current_rank, state
@@ -110,38 +109,15 @@ def _where() -> RankAddress:
     return RankAddress(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _init_distributed(master_addr: str, master_port: int, local_rank: int, local_world_size: int,
                       node_ip: str, threads: int | None, collective_timeout_s: float | None = None) -> None:
     """Joins this rank to the group's torch.distributed group with the platform's backend."""
-    import torch
-    import torch.distributed as dist
-
-    from megarl.platform import current_platform
-
     ctx = current_rank()
-    cores = usable_cores()
     # Ray sets OMP_NUM_THREADS to the actor's logical CPUs (1); size the pool from the
     # real cores shared by this group's ranks on the node instead, as SpmdPool does.
-    threads = threads or max(1, cores // local_world_size)
-    os.environ.update(
-        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(ctx.rank),
-        WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world_size),
-        OMP_NUM_THREADS=str(threads),
-    )
-    torch.set_num_threads(threads)
-    platform = current_platform()
-    if platform.is_gpu:
-        # Ray narrows CUDA_VISIBLE_DEVICES to the rank's GPU(s) when it assigns some.
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    # A bounded timeout turns a collective whose peer hung into an error on this rank.
-    timeout = {"timeout": timedelta(seconds=collective_timeout_s)} if collective_timeout_s else {}
-    dist.init_process_group(platform.backend, rank=ctx.rank, world_size=ctx.world_size, **timeout)
+    threads = threads or max(1, usable_cores() // local_world_size)
+    join_process_group(ctx.rank, ctx.world_size, master_addr, master_port, local_rank, local_world_size, threads,
+                       timeout_s=collective_timeout_s)
     set_current_rank(replace(ctx, local_rank=local_rank, local_world_size=local_world_size,
                                         node_ip=node_ip))
 
@@ -266,7 +242,7 @@ class WorkerGroup:
     def _join_process_group(self, threads_per_rank: int | None, deadline: float,
                             collective_timeout_s: float | None) -> None:
         """Rank 0 picks the rendezvous port on its node; every rank then joins with its node-local rank."""
-        [port] = self._collect(self._send([0], _free_port, {}), "start-up (port)",
+        [port] = self._collect(self._send([0], free_port, {}), "start-up (port)",
                                max(0.0, deadline - time.monotonic()), starting=True)
         node_ranks: dict[str, list[int]] = {}
         for rank, address in enumerate(self.addresses):

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megarl.platform import current_platform
 from megarl.workers.megatron_model import HeldModel, held
 
 PARTS = ("params", "grads", "optimizer")
@@ -90,8 +91,8 @@ def offload(key: str, parts: tuple[str, ...] = PARTS) -> int:
             saved[ptr] = (storage, _host_copy(storage))
             freed += storage.nbytes()
             storage.resize_(0)
-    if freed and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if freed:
+        current_platform().release_cached_memory()
     return freed
 
 
@@ -105,8 +106,3 @@ def onload(key: str) -> int:
         torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host)
         restored += host.numel()
     return restored
-
-
-def offloaded_bytes(key: str) -> int:
-    """Bytes of the held model currently off its device."""
-    return sum(host.numel() for _, host in held(key).extra.get("offloaded", {}).values())

@@ -61,9 +61,6 @@ class RankState(MutableMapping[str, Any]):
     def __repr__(self) -> str:
         return f"RankState({sorted(self._items)})"
 
-    def set(self, key: str, value: Any) -> None:
-        self._items[key] = value
-
     def require(self, key: str) -> Any:
         """Like ``state[key]``, with a message that says which call should have set it."""
         try:

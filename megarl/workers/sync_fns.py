@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megarl.reshard.group import free_port, node_ip, open_sync_group
+from megarl.distributed.bringup import free_port
+from megarl.reshard.group import node_ip, open_sync_group
 from megarl.reshard.plan import meta_fingerprint
 from megarl.reshard.source import expected_checksums, source_meta, source_tensors
 from megarl.reshard.transport import run_fragment

@@ -1,0 +1,50 @@
+"""What every step logs besides the updates' own metrics: rewards, lengths, KL, mismatch, timing."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algorithms import kl_estimate, masked_mean
+from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
+from megarl.config.schema import AlgorithmConfig
+from megarl.trainer.batch import RolloutBatch
+
+
+def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
+                 ref: torch.Tensor | None, est: dict, algo: AlgorithmConfig) -> dict[str, float]:
+    """What every step logs besides the updates' own metrics; ``old`` holds the actor's
+    ``logprobs`` and ``entropy`` before the update, ``ref`` the reference's log-probs. The
+    mismatch metrics are those of ``algo``'s off-policy correction, as the ranks applied it."""
+    mask = batch.mask
+    diff = (old["logprobs"] - batch.rollout_logprobs).abs()
+    groups = scores.view(-1, batch.group_size)
+    out = {
+        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
+        "response/length_mean": float(batch.response_lens.float().mean()),
+        "response/truncated_fraction": sum(r == "length" for r in batch.finish_reasons) / batch.size,
+        "entropy/mean": float(masked_mean(old["entropy"], mask)),
+        "mismatch/max_abs_logprob": float((diff * mask).max()),
+        "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(diff), mask)),
+        "groups/mixed_fraction": float((groups.max(1).values != groups.min(1).values).float().mean()),
+    }
+    if ref is not None:  # k1 over the responses the update learnt from
+        out["kl/mean"] = float(masked_mean(kl_estimate(old["logprobs"], ref, estimator="k1") * est["mask"], mask))
+    for name, values in parts.items():
+        out[name] = float(values.mean())
+    correction = off_policy_correction(algo.off_policy_correction, old["logprobs"], batch.rollout_logprobs, mask,
+                                       cap=algo.is_cap, low=algo.is_low, high=algo.is_high)
+    return out | mismatch_metrics(old["logprobs"], batch.rollout_logprobs, mask, correction)
+
+
+def timing(phase_times: dict[str, float], batch: RolloutBatch, step_seconds: float,
+           offloaded_bytes: int | None) -> dict[str, float]:
+    """Seconds per phase and for the step, tokens per second; colocated, the MiB the roles moved
+    off the device (``offloaded_bytes``; None when disaggregated)."""
+    generated = float(batch.response_lens.sum())
+    out = {f"time/{name}_s": seconds for name, seconds in phase_times.items()}
+    out["time/step_s"] = step_seconds
+    out["throughput/tokens_per_s"] = generated / step_seconds
+    out["throughput/generation_tokens_per_s"] = generated / max(phase_times.get("rollout", 0.0), 1e-9)
+    if offloaded_bytes is not None:
+        out["memory/offloaded_mib"] = offloaded_bytes / 2**20
+    return out

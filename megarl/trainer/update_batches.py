@@ -1,0 +1,46 @@
+"""What the update rank functions receive: the step's batch with its advantages and normalisers."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.config.schema import RunConfig
+
+
+def policy_batch(batch, est, old, ref, cfg) -> dict:
+    out = {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "advantages": est["advantages"],
+           "temperature": batch.temperature,
+           **denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
+    if old is not None:
+        out["old_logprobs"] = old["logprobs"]
+    else:  # on-policy: the update returns log-probs and entropy at every response token, for the metrics
+        out["select_mask"] = batch.mask
+    if ref is not None:
+        out["ref_logprobs"] = ref
+    if cfg.algorithm.off_policy_correction != "none":
+        out["rollout_logprobs"] = batch.rollout_logprobs
+    return out
+
+
+def value_batch(batch, est, values, cfg) -> dict:
+    return {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "old_values": values,
+            "returns": est["returns"],
+            **denominators(est["mask"], cfg, cfg.critic.parallel.data_parallel_size)}
+
+
+def denominators(mask: torch.Tensor, cfg: RunConfig, dp: int) -> dict:
+    """The loss normalisers the ranks pass to ``aggregate``: ``denoms``, each minibatch's global
+    normaliser (its response tokens for "token-mean", else its sequences with a response token),
+    and ``norm_len``, the constant per-sequence divisor of "seq-mean-token-sum" (Dr.GRPO: the
+    generation budget ``rollout.max_tokens``; None for the other modes, which do not use it).
+    Ranks split the batch over data-parallel shards first, then each shard into minibatches:
+    minibatch m is the m-th slice of every shard."""
+    aggregation = cfg.algorithm.aggregation
+    minibatches = cfg.algorithm.minibatches
+    out = []
+    for m in range(minibatches):
+        part = torch.cat([shard.chunk(minibatches)[m] for shard in mask.chunk(dp)]) != 0
+        count = part.sum() if aggregation == "token-mean" else part.any(dim=1).sum()
+        out.append(max(float(count), 1.0))
+    norm_len = float(cfg.rollout.max_tokens) if aggregation == "seq-mean-token-sum" else None
+    return {"denoms": out, "norm_len": norm_len}
