@@ -170,18 +170,30 @@ class RewardTermConfig:
     max_concurrency: int = 4
 
 
+# Settings whose default depends on ``algorithm.name``: a field left unset (None) takes the value
+# of its algorithm's row, else of the "*" row, when the config is built (so set ``name`` then, in
+# the recipe or an override, not by assigning it later). Each algorithm's module says why.
+ALGORITHM_DEFAULTS: dict[str, dict[str, str | float | bool | None]] = {
+    "*": {"clip_low": 0.2, "clip_high": 0.2, "aggregation": "token-mean", "norm_std": True},
+    # Dr. GRPO (Liu et al. 2025): no division by the group's std, no per-sequence length normalisation
+    "dr_grpo": {"aggregation": "seq-mean-token-sum", "norm_std": False},
+}
+
+
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | rloo | reinforce_pp | ppo
+    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo (megarl.algorithms.registry)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False  # else a KL term in the policy loss
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
+    # The policy ratio's clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
+    # clip-higher. None: the algorithm's default (ALGORITHM_DEFAULTS).
+    clip_low: float | None = None
+    clip_high: float | None = None
     dual_clip: float | None = None
     entropy_coef: float = 0.0
-    aggregation: str = "token-mean"
-    norm_std: bool = True  # GRPO: divide by the group's std
+    aggregation: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum; None: the algorithm's
+    norm_std: bool | None = None  # group-relative advantages divided by the group's std; None: the algorithm's
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: float | None = 0.2
@@ -197,6 +209,11 @@ class AlgorithmConfig:
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0
+
+    def __post_init__(self) -> None:
+        for key, value in {**ALGORITHM_DEFAULTS["*"], **ALGORITHM_DEFAULTS.get(self.name, {})}.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
 
 
 @dataclass

@@ -7,14 +7,10 @@ from typing import Any
 
 import torch
 
+from megarl.algorithms.base import combine
 from megarl.config.schema import AlgorithmConfig, RoleConfig
 from megarl.trainer.batch import RolloutBatch
 from megarl.workers import checkpoint_fns, megatron_model, offload_fns, rl_fns
-
-# Per-shard partial sums of global aggregates (added over data-parallel shards); the
-# other step metrics (grad norm, lr) are the same on every rank.
-SUMMED = {"pg_loss", "kl_loss", "entropy", "clip_fraction", "approx_kl", "ratio_mean", "value_loss",
-          "value_clip_fraction"}
 
 
 class MegatronRole:
@@ -53,13 +49,15 @@ class MegatronRole:
 
     def train(self, fn, batch: dict, algo: AlgorithmConfig) -> tuple[dict[str, float], dict | None]:
         """Runs the update ``fn`` on every rank: (the update's metrics, averaged over its optimizer
-        steps; the per-token outputs it returned, in batch order, or None)."""
-        shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=asdict(algo), optim=asdict(self.cfg.optim),
+        steps; the per-token outputs it returned, in batch order, or None). Each metric combines over
+        data-parallel shards as the rank declared it (``reduce``: summed partial sums, or the same
+        on every rank; ``megarl.algorithms.base.Metric``)."""
+        shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=algo, optim=asdict(self.cfg.optim),
                                        **self._batching()) if r is not None]
+        reduce = shards[0]["reduce"]
         steps = []
         for per_shard in zip(*(s["steps"] for s in shards), strict=True):  # one entry per optimizer step
-            merged = {k: (sum(s[k] for s in per_shard) if k in SUMMED else per_shard[0][k]) for k in per_shard[0]}
-            steps.append(merged)
+            steps.append({k: combine([s[k] for s in per_shard], reduce[k]) for k in per_shard[0]})
         per_token = [s["per_token"] for s in shards if s["per_token"] is not None]
         # logged: the mean over this update's optimizer steps
         metrics = {f"{self.name}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}

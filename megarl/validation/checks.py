@@ -123,31 +123,16 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
     """Algorithm, rewards, rollout, data and batch sizes that cannot run together."""
     from pathlib import Path
 
-    from megarl.algorithms import AGGREGATION_MODES, KL_ESTIMATORS
-    from megarl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
+    from megarl.algorithms.registry import algorithm_errors
     from megarl.cluster.placement import placement_errors
     from megarl.reshard.vllm_layout import vllm_padded_vocab
     from megarl.rewards.extract import resolve_extractor
     from megarl.rewards.remote import url_problem
-    from megarl.trainer.advantages import ALGORITHMS
     from megarl.trainer.rewards import REWARD_KINDS
 
-    algo, rollout, data, errors = cfg.algorithm, cfg.rollout, cfg.data, []
-    if algo.name not in ALGORITHMS:
-        errors.append(f"algorithm.name={algo.name!r} must be one of {', '.join(ALGORITHMS)}")
-    if algo.name == "ppo" and cfg.critic is None:
-        errors.append("algorithm.name='ppo' needs a critic role (critic.model.path, or a reward_model to start from)")
-    if algo.name in ("grpo", "rloo") and rollout.n < 2:
-        errors.append(f"rollout.n={rollout.n}: {algo.name} compares samples of a prompt, it needs n >= 2")
-    if algo.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-        errors.append(f"algorithm.off_policy_correction={algo.off_policy_correction!r} must be one of "
-                      f"{', '.join(OFF_POLICY_CORRECTIONS)}")
-    if algo.aggregation not in AGGREGATION_MODES:
-        errors.append(f"algorithm.aggregation={algo.aggregation!r} must be one of {', '.join(AGGREGATION_MODES)}")
-    if algo.kl_estimator not in KL_ESTIMATORS:
-        errors.append(f"algorithm.kl_estimator={algo.kl_estimator!r} must be one of {', '.join(KL_ESTIMATORS)}")
-    if algo.kl_coef > 0 and cfg.reference is None:
-        errors.append(f"algorithm.kl_coef={algo.kl_coef} needs a reference role")
+    algo, rollout, data = cfg.algorithm, cfg.rollout, cfg.data
+    # the algorithm's own rules and those every algorithm shares (megarl.algorithms.base.Algorithm.validate)
+    errors = algorithm_errors(cfg)
     for i, term in enumerate(cfg.rewards):
         if term.kind not in REWARD_KINDS:
             errors.append(f"rewards[{i}].kind={term.kind!r} must be one of {', '.join(REWARD_KINDS)}")

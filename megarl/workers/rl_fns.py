@@ -5,7 +5,8 @@ data-parallel shard; results come back from the reporting rank of each shard
 (last pipeline stage, tensor rank 0) tagged with the shard index, and the
 driver puts them together (``gather_shards``). Batches are dicts of tensors:
 ``tokens`` [B, L] (prompt + response, right-padded), ``mask`` [B, L-1] over
-label positions that are response tokens, plus per-algorithm fields.
+label positions that are response tokens, plus per-algorithm fields. The updates hand each
+micro-batch to the algorithm (``megarl.algorithms``) as a typed micro-batch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 
 import torch
 
+from megarl.algorithms.base import VALUE_METRICS, Metric, PolicyMicroBatch, ValueMicroBatch, combine
+from megarl.algorithms.registry import get_algorithm
+from megarl.config.schema import AlgorithmConfig
 from megarl.models.logprobs import next_token_logprobs
 from megarl.models.vocab_parallel import vocab_parallel_stats
 from megarl.workers.megatron_model import HeldModel, held
@@ -296,16 +300,24 @@ def _set_lr(model: HeldModel, optim: dict) -> float:
 
 # loss-function outputs under this prefix are per-token tensors [b, T], not metrics to sum
 PER_TOKEN = "per_token/"
+# what every optimizer step reports besides its loss's metrics
+STEP_METRICS = (Metric("grad_norm", "same"), Metric("lr", "same"), Metric("skipped", "same"))
+
+
+def _config(algo: AlgorithmConfig | dict[str, Any]) -> AlgorithmConfig:
+    """The algorithm settings as the dataclass (the driver sends it; a plain dict of its fields works too)."""
+    return algo if isinstance(algo, AlgorithmConfig) else AlgorithmConfig(**algo)
 
 
 def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int, minibatches: int, epochs: int,
             loss_fn, max_tokens: int | None, pack: bool, select: bool = False,
-            share: bool = False) -> dict[str, Any] | None:
+            share: bool = False, metrics: tuple[Metric, ...] = ()) -> dict[str, Any] | None:
     """``epochs`` passes over ``minibatches`` optimizer steps on this rank's shard.
 
     Returns ``{"steps": [metrics of each optimizer step], "per_token": (dp_rank, {name: [n, L-1]})
-    or None}``: per-token outputs of the loss (``PER_TOKEN`` keys) come back, in the shard's order,
-    when one step covers the whole shard once (then they are the pre-update model's).
+    or None, "reduce": {metric: how shards combine it}}``: per-token outputs of the loss
+    (``PER_TOKEN`` keys) come back, in the shard's order, when one step covers the whole shard once
+    (then they are the pre-update model's). Every metric the loss emits must be in ``metrics``.
     """
     from megarl.models.forward import rows_forward
     from megarl.models.train import train_step
@@ -317,6 +329,7 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
     if n % minibatches:
         raise ValueError(f"{n} sequences per data-parallel rank do not split into {minibatches} minibatches")
     size = n // minibatches
+    reduce = {m.name: m.reduce for m in STEP_METRICS + metrics}
     per_step, per_token = [], None
     for _ in range(epochs):
         for m in range(minibatches):
@@ -333,105 +346,81 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
             result = train_step(model.chunks, model.optimizer, mbs, loss_fn,
                                 lambda chunk, mb: rows_forward(chunk, mb["inputs"]))
             model.extra["optimizer_steps"] += 1
-            metrics = {"grad_norm": float(result["grad_norm"] or 0.0), "lr": lr,
-                       "skipped": float(not result["updated"])}
+            step = {"grad_norm": float(result["grad_norm"] or 0.0), "lr": lr, "skipped": float(not result["updated"])}
             if result["metrics"]:
                 tensors = [{k.removeprefix(PER_TOKEN): r.pop(k) for k in list(r) if k.startswith(PER_TOKEN)}
                            for r in result["metrics"]]
                 if tensors[0] and epochs == minibatches == 1:
                     per_token = (model.info.dp_rank, _scatter(tensors, mbs, n, shard["tokens"].shape[1]))
                 for name in result["metrics"][0]:
-                    metrics[name] = sum(float(r[name]) for r in result["metrics"])
-            per_step.append(metrics)
+                    if name not in reduce:
+                        raise ValueError(f"the loss emits the metric {name!r} but does not declare it "
+                                         "(megarl.algorithms.base.Metric), so the driver cannot combine it")
+                    step[name] = combine([float(r[name]) for r in result["metrics"]], reduce[name])
+            per_step.append(step)
     if not _reporting(model):
         return None
-    return {"steps": per_step, "per_token": per_token}
+    return {"steps": per_step, "per_token": per_token, "reduce": {name: reduce[name] for name in per_step[0]}}
 
 
-def train_policy(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int,
-                 max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+def train_policy(key: str, batch: dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
+                 micro_batch_size: int, max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
                  share_prompt: bool = False):
-    """Clipped policy-gradient updates (+ KL and entropy terms) on ``batch``; see ``_update``.
+    """The policy updates of ``algo``'s algorithm (its ``loss`` on each micro-batch) on ``batch``;
+    see ``_update``.
 
     Without ``batch["old_logprobs"]`` the update is on-policy (one epoch, one minibatch): the
     behaviour policy is the model as it is, so the ratio is ``exp(lp - lp.detach())`` (1, with
     the policy gradient) and no separate scoring pass is needed. The log-probs and entropy of
     that forward come back per token instead, at the positions of ``select_mask``, for the
     step's metrics."""
-    from megarl.algorithms import aggregate, kl_loss, policy_loss
-    from megarl.algorithms.off_policy import off_policy_correction
     from megarl.models.forward import rows_output
 
+    cfg = _config(algo)
+    algorithm = get_algorithm(cfg.name)
     vocab = held(key).spec.arch.vocab_size
     on_policy = "old_logprobs" not in batch
-    if on_policy and (algo["ppo_epochs"] != 1 or algo["minibatches"] != 1):
-        raise ValueError(f"no old_logprobs: an update of {algo['ppo_epochs']} epoch(s) x {algo['minibatches']} "
+    if on_policy and (cfg.ppo_epochs != 1 or cfg.minibatches != 1):
+        raise ValueError(f"no old_logprobs: an update of {cfg.ppo_epochs} epoch(s) x {cfg.minibatches} "
                          "minibatch(es) is off-policy after its first step and needs them")
 
     def loss_fn(output, mb):
         logits = rows_output(output, mb["inputs"])
-        mask = mb["mask"]
-        with_entropy = algo["entropy_coef"] > 0
-        if with_entropy or on_policy:
+        ent = None
+        if cfg.entropy_coef > 0 or on_policy:
             lp, ent = _label_stats(logits, mb, vocab, entropy=True)
         else:
             lp = _label_stats(logits, mb, vocab)
         # norm_len: "seq-mean-token-sum"'s constant divisor (Dr.GRPO), from the driver's denominators()
-        common = {"aggregation": algo["aggregation"], "denom": mb["denom"], "norm_len": mb.get("norm_len")}
-        old = lp.detach() if on_policy else mb["old_logprobs"]
-        advantages, pg_mask = mb["advantages"], mask
-        correction = algo.get("off_policy_correction", "none")
-        if correction != "none":  # the engine's policy mu sampled; weight or drop tokens by pi_old / mu
-            fix = off_policy_correction(correction, old, mb["rollout_logprobs"], mask, cap=algo["is_cap"],
-                                        low=algo["is_low"], high=algo["is_high"])
-            advantages = (advantages if advantages.dim() == 2 else advantages[:, None]) * fix.weights
-            pg_mask = mask * fix.keep  # dropped tokens add 0; the normaliser stays the batch's
-        loss, metrics = policy_loss(lp, old, advantages, pg_mask, clip_low=algo["clip_low"],
-                                    clip_high=algo["clip_high"], dual_clip=algo["dual_clip"], **common)
-        out = {"pg_loss": loss.detach()}
+        step = PolicyMicroBatch(logprobs=lp, old_logprobs=lp.detach() if on_policy else mb["old_logprobs"],
+                                advantages=mb["advantages"], mask=mb["mask"], denom=mb["denom"],
+                                norm_len=mb.get("norm_len"), ref_logprobs=mb.get("ref_logprobs"), entropy=ent,
+                                rollout_logprobs=mb.get("rollout_logprobs"))
+        loss, out = algorithm.loss(cfg, step)
         if on_policy:
             out |= {f"{PER_TOKEN}logprobs": lp.detach().float(), f"{PER_TOKEN}entropy": ent.detach().float()}
-        if algo["kl_coef"] > 0 and not algo["kl_in_reward"]:
-            kl = kl_loss(lp, mb["ref_logprobs"], mask, estimator=algo["kl_estimator"], **common)
-            loss = loss + algo["kl_coef"] * kl
-            out["kl_loss"] = kl.detach()
-        if with_entropy:
-            ent = aggregate(ent, mask, mode=common["aggregation"], norm_len=common["norm_len"], denom=mb["denom"])
-            loss = loss - algo["entropy_coef"] * ent
-            out["entropy"] = ent.detach()
-        weight = _share(mb, algo["aggregation"])
-        for name in ("clip_fraction", "approx_kl", "ratio_mean"):
-            out[name] = metrics[name] * weight
         return loss * mb["scale"], out
 
-    return _update(key, batch, optim, micro_batch_size, algo["minibatches"], algo["ppo_epochs"], loss_fn,
-                   max_tokens_per_microbatch, pack_sequences, select=True, share=share_prompt)
+    return _update(key, batch, optim, micro_batch_size, cfg.minibatches, cfg.ppo_epochs, loss_fn,
+                   max_tokens_per_microbatch, pack_sequences, select=True, share=share_prompt,
+                   metrics=algorithm.loss_metrics())
 
 
-def train_value(key: str, batch: dict[str, Any], algo: dict, optim: dict, micro_batch_size: int,
-                max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+def train_value(key: str, batch: dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
+                micro_batch_size: int, max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
                 share_prompt: bool = False):
-    """Clipped value-loss updates of the critic towards ``batch["returns"]``."""
-    from megarl.algorithms import value_loss
+    """The critic's clipped value-loss updates towards ``batch["returns"]`` (``Algorithm.value_loss``)."""
     from megarl.models.forward import rows_output
+
+    cfg = _config(algo)
+    algorithm = get_algorithm(cfg.name)
 
     def loss_fn(output, mb):
         values = _per_label(rows_output(output, mb["inputs"])[:, :-1, 0], mb).float()
-        loss, metrics = value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
-                                   clip=algo["value_clip"], aggregation=algo["aggregation"], denom=mb["denom"],
-                                   norm_len=mb.get("norm_len"))
-        weight = _share(mb, algo["aggregation"])
-        return loss * mb["scale"], {"value_loss": loss.detach(),
-                                    "value_clip_fraction": metrics["clip_fraction"] * weight}
+        step = ValueMicroBatch(values=values, old_values=mb["old_values"], returns=mb["returns"], mask=mb["mask"],
+                               denom=mb["denom"], norm_len=mb.get("norm_len"))
+        loss, out = algorithm.value_loss(cfg, step)
+        return loss * mb["scale"], out
 
-    return _update(key, batch, optim, micro_batch_size, algo["minibatches"], algo["ppo_epochs"], loss_fn,
-                   max_tokens_per_microbatch, pack_sequences)
-
-
-def _share(mb: dict[str, Any], aggregation: str) -> torch.Tensor | float:
-    """This micro-batch's share of the global denominator: per-micro-batch metrics times their
-    share, summed over micro-batches and data-parallel ranks, give the global mean."""
-    if aggregation == "token-mean":
-        return mb["mask"].float().sum() / mb["denom"]
-    # the seq modes' denominator counts the sequences with response tokens (see denominators())
-    return (mb["mask"].sum(dim=1) > 0).float().sum() / mb["denom"]
+    return _update(key, batch, optim, micro_batch_size, cfg.minibatches, cfg.ppo_epochs, loss_fn,
+                   max_tokens_per_microbatch, pack_sequences, metrics=VALUE_METRICS)
