@@ -10,6 +10,7 @@ from __future__ import annotations
 from megarl.algorithms.base import Algorithm
 from megarl.algorithms.dr_grpo import DrGRPO
 from megarl.algorithms.grpo import GRPO
+from megarl.algorithms.gspo import GSPO
 from megarl.algorithms.ppo import PPO
 from megarl.algorithms.reinforce_pp import ReinforcePP
 from megarl.algorithms.rloo import RLOO
@@ -21,6 +22,7 @@ _REGISTERED: tuple[Algorithm, ...] = (
     RLOO(),
     ReinforcePP(),
     PPO(),
+    GSPO(),
 )
 _BY_NAME = {algorithm.name: algorithm for algorithm in _REGISTERED}
 ALGORITHMS: tuple[str, ...] = tuple(_BY_NAME)

@@ -177,12 +177,14 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, str | float | bool | None]] = {
     "*": {"clip_low": 0.2, "clip_high": 0.2, "aggregation": "token-mean", "norm_std": True},
     # Dr. GRPO (Liu et al. 2025): no division by the group's std, no per-sequence length normalisation
     "dr_grpo": {"aggregation": "seq-mean-token-sum", "norm_std": False},
+    # GSPO (Zheng et al. 2025): a sequence ratio moves far less than a token's; loss averaged per sequence
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"},
 }
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo (megarl.algorithms.registry)
+    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo (megarl.algorithms.registry)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False  # else a KL term in the policy loss
