@@ -8,6 +8,7 @@ Adding one: a module with an :class:`~megarl.algorithms.base.Algorithm` subclass
 from __future__ import annotations
 
 from megarl.algorithms.base import Algorithm
+from megarl.algorithms.cispo import CISPO
 from megarl.algorithms.dr_grpo import DrGRPO
 from megarl.algorithms.grpo import GRPO
 from megarl.algorithms.gspo import GSPO
@@ -23,6 +24,7 @@ _REGISTERED: tuple[Algorithm, ...] = (
     ReinforcePP(),
     PPO(),
     GSPO(),
+    CISPO(),
 )
 _BY_NAME = {algorithm.name: algorithm for algorithm in _REGISTERED}
 ALGORITHMS: tuple[str, ...] = tuple(_BY_NAME)

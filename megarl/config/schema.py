@@ -179,12 +179,14 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, str | float | bool | None]] = {
     "dr_grpo": {"aggregation": "seq-mean-token-sum", "norm_std": False},
     # GSPO (Zheng et al. 2025): a sequence ratio moves far less than a token's; loss averaged per sequence
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"},
+    # CISPO (MiniMax-M1): no lower bound on the importance weight (None), DAPO's clip-higher as its upper one
+    "cispo": {"clip_low": None, "clip_high": 0.28},
 }
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo (megarl.algorithms.registry)
+    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo | cispo (megarl.algorithms.registry)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False  # else a KL term in the policy loss
