@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import build_tiny_hf
@@ -84,7 +86,7 @@ def test_sample_logprobs_are_the_tempered_policys_as_the_trainer_scores_it(engin
         group.run(megatron_model.load, key="scorer", source=str(model), parallel=ParallelConfig())
         tempered, untempered = (
             rl_fns.gather_shards(group.run(rl_fns.logprobs, key="scorer", micro_batch_size=4,
-                                           batch=batch.to_workers() | {"temperature": t}))
+                                           batch=dataclasses.replace(batch.to_workers(), temperature=t)))
             for t in (0.7, 1.0))
     response = batch.mask.bool()
     assert response.sum() == 4 * 12

@@ -51,4 +51,6 @@ def test_vllm_engine_implements_the_protocol():
     for name, wanted in _protocol_methods().items():
         assert hasattr(VLLMEngine, name), f"VLLMEngine lacks {name}"
         got = inspect.signature(getattr(VLLMEngine, name))
-        assert list(got.parameters) == list(wanted.parameters), (name, got, wanted)
+        # Ray adds _ray_trace_ctx to the class's methods once it has wrapped the class in this process
+        params = [p for p in got.parameters if p != "_ray_trace_ctx"]
+        assert params == list(wanted.parameters), (name, got, wanted)

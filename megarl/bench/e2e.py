@@ -158,9 +158,9 @@ def run_megarl(cfg) -> SystemResult:
         shutdown_ray()  # free the cores and memory before the other system runs
     total = time.perf_counter() - started
     steps = megarl_steps(history)
-    from megarl.trainer.advantages import needs_old_logprobs
+    from megarl.algorithms import get_algorithm
 
-    old = ("a scoring pass for the old log-probs" if needs_old_logprobs(cfg.algorithm)
+    old = ("a scoring pass for the old log-probs" if get_algorithm(cfg.algorithm.name).needs_old_logprobs(cfg.algorithm)
            else "no separate old-log-prob pass (on-policy: the update's forward gives them, as TRL's "
                 "num_iterations=1)")
     layout = ", ".join(f"{name}: {_batching(role)}" for name, role in cfg.roles().items())

@@ -8,11 +8,12 @@ token. Samples of one prompt are consecutive (the GRPO group).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from megarl.rollout.sampling import RolloutSample
+from megarl.workers.rank_batch import RankBatch
 
 
 @dataclass
@@ -24,8 +25,6 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor  # [B, L-1]: the engine's log-probs of the sampled tokens
     finish_reasons: list[str]
     group_size: int
-    prompt_index: list[int]  # which prompt of the step each sample answers
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # logprobs, values, advantages, ...
     # The sampling temperature: the policy that drew the tokens is softmax(logits / T), so the
     # ranks score them, and train on them, at the same T (rollout_logprobs are vLLM's after T).
     temperature: float = 1.0
@@ -38,12 +37,9 @@ class RolloutBatch:
     def response_lens(self) -> torch.Tensor:
         return self.seq_lens - self.prompt_lens
 
-    def to_workers(self, *names: str) -> dict:
-        """The tensors the rank functions need, as a plain dict."""
-        out = {"tokens": self.tokens, "mask": self.mask, "seq_lens": self.seq_lens, "temperature": self.temperature}
-        for name in names:
-            out[name] = self.fields[name]
-        return out
+    def to_workers(self) -> RankBatch:
+        """What the ranks' scoring passes read."""
+        return RankBatch(tokens=self.tokens, mask=self.mask, seq_lens=self.seq_lens, temperature=self.temperature)
 
 
 def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1,
@@ -69,6 +65,6 @@ def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple:
     return RolloutBatch(
         tokens=tokens, seq_lens=torch.tensor(lengths), prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
         mask=mask, rollout_logprobs=rollout_lp, finish_reasons=[s.finish_reason for s in samples],
-        group_size=sizes.pop(), prompt_index=[g for g, group in enumerate(groups) for _ in group],
+        group_size=sizes.pop(),
         temperature=temperature,
     )

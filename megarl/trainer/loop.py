@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import time
 
+from megarl.algorithms import get_algorithm
+from megarl.algorithms.base import ScoredBatch
 from megarl.config.schema import RunConfig
-from megarl.trainer.advantages import estimate, needs_old_logprobs
 from megarl.trainer.run import Run
 from megarl.trainer.step_metrics import step_metrics, timing
 from megarl.trainer.update_batches import policy_batch, value_batch
@@ -22,6 +23,7 @@ def train(cfg: RunConfig) -> list[dict]:
         log = run.logger(resume_step=start)
         rollout, device = run.rollout, run.colocation
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
+        algorithm = get_algorithm(cfg.algorithm.name)
         reward_model = run.roles.get("reward_model") if rollout.needs_reward_model else None  # else it seeds the critic
         for run.step in range(start + 1, cfg.trainer.steps + 1):
             began = time.perf_counter()
@@ -35,11 +37,13 @@ def train(cfg: RunConfig) -> list[dict]:
             with run.phase("reference"):
                 ref = reference.logprobs(batch) if reference else None
             with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
-                old = actor.logprobs(batch, entropy=True) if needs_old_logprobs(cfg.algorithm) else None
+                old = actor.logprobs(batch, entropy=True) if algorithm.needs_old_logprobs(cfg.algorithm) else None
             with run.phase("critic_values"):
                 values = critic.values(batch) if critic else None
             with run.phase("advantages"):
-                est = estimate(cfg.algorithm, scores, batch.mask, batch.group_size, old, ref, values)
+                before = None if old is None else old["logprobs"]  # the actor's, for KL in the reward
+                scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values)
+                est = algorithm.estimate(cfg.algorithm, scored)
             with run.phase("actor_update"):
                 metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
                 old = old or fresh

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from megarl.algorithms import kl_estimate, masked_mean
+from megarl.algorithms.base import Estimate
 from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.batch import RolloutBatch
 
 
 def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
-                 ref: torch.Tensor | None, est: dict, algo: AlgorithmConfig) -> dict[str, float]:
+                 ref: torch.Tensor | None, est: Estimate, algo: AlgorithmConfig) -> dict[str, float]:
     """What every step logs besides the updates' own metrics; ``old`` holds the actor's
     ``logprobs`` and ``entropy`` before the update, ``ref`` the reference's log-probs. The
     mismatch metrics are those of ``algo``'s off-policy correction, as the ranks applied it."""
@@ -28,7 +29,7 @@ def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, tor
         "groups/mixed_fraction": float((groups.max(1).values != groups.min(1).values).float().mean()),
     }
     if ref is not None:  # k1 over the responses the update learnt from
-        out["kl/mean"] = float(masked_mean(kl_estimate(old["logprobs"], ref, estimator="k1") * est["mask"], mask))
+        out["kl/mean"] = float(masked_mean(kl_estimate(old["logprobs"], ref, estimator="k1") * est.mask, mask))
     for name, values in parts.items():
         out[name] = float(values.mean())
     correction = off_policy_correction(algo.off_policy_correction, old["logprobs"], batch.rollout_logprobs, mask,

@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import torch
 
+from megarl.algorithms.base import Estimate
 from megarl.config.schema import RunConfig
+from megarl.trainer.batch import RolloutBatch
+from megarl.workers.rank_batch import RankBatch
 
 
-def policy_batch(batch, est, old, ref, cfg) -> dict:
-    out = {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "advantages": est["advantages"],
-           "temperature": batch.temperature,
-           **denominators(est["mask"], cfg, cfg.actor.parallel.data_parallel_size)}
-    if old is not None:
-        out["old_logprobs"] = old["logprobs"]
-    else:  # on-policy: the update returns log-probs and entropy at every response token, for the metrics
-        out["select_mask"] = batch.mask
-    if ref is not None:
-        out["ref_logprobs"] = ref
-    if cfg.algorithm.off_policy_correction != "none":
-        out["rollout_logprobs"] = batch.rollout_logprobs
-    return out
+def policy_batch(batch: RolloutBatch, est: Estimate, old: dict[str, torch.Tensor] | None,
+                 ref: torch.Tensor | None, cfg: RunConfig) -> RankBatch:
+    """The actor's update batch. Without ``old`` the update is on-policy and returns log-probs and
+    entropy at every response token (``select_mask``) for the step's metrics."""
+    return RankBatch(
+        tokens=batch.tokens, seq_lens=batch.seq_lens, mask=est.mask, temperature=batch.temperature,
+        advantages=est.advantages, old_logprobs=None if old is None else old["logprobs"],
+        select_mask=batch.mask if old is None else None, ref_logprobs=ref,
+        rollout_logprobs=batch.rollout_logprobs if cfg.algorithm.off_policy_correction != "none" else None,
+        **denominators(est.mask, cfg, cfg.actor.parallel.data_parallel_size))
 
 
-def value_batch(batch, est, values, cfg) -> dict:
-    return {"tokens": batch.tokens, "seq_lens": batch.seq_lens, "mask": est["mask"], "old_values": values,
-            "returns": est["returns"],
-            **denominators(est["mask"], cfg, cfg.critic.parallel.data_parallel_size)}
+def value_batch(batch: RolloutBatch, est: Estimate, values: torch.Tensor, cfg: RunConfig) -> RankBatch:
+    """The critic's update batch: its values before the update and the returns it moves towards."""
+    return RankBatch(tokens=batch.tokens, seq_lens=batch.seq_lens, mask=est.mask, old_values=values,
+                     returns=est.returns, **denominators(est.mask, cfg, cfg.critic.parallel.data_parallel_size))
 
 
 def denominators(mask: torch.Tensor, cfg: RunConfig, dp: int) -> dict:

@@ -21,12 +21,18 @@ from megarl.config.schema import AlgorithmConfig
 from megarl.models.logprobs import next_token_logprobs
 from megarl.models.vocab_parallel import vocab_parallel_stats
 from megarl.workers.megatron_model import HeldModel, held
+from megarl.workers.rank_batch import RankBatch
 
 
-def _shard(model: HeldModel, batch: dict[str, Any]) -> dict[str, Any]:
+def _plain(batch: RankBatch | dict[str, Any]) -> dict[str, Any]:
+    """The batch's set fields by name (tests and tools may pass such a dict directly)."""
+    return batch.present() if isinstance(batch, RankBatch) else batch
+
+
+def _shard(model: HeldModel, batch: RankBatch | dict[str, Any]) -> dict[str, Any]:
     dp, rank = model.info.dp, model.info.dp_rank
     out = {}
-    for key, value in batch.items():
+    for key, value in _plain(batch).items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape[0] % dp:
                 raise ValueError(f"batch of {value.shape[0]} sequences does not split over {dp} data-parallel ranks")
@@ -208,7 +214,7 @@ def gather_shards(results: list) -> Any:
     return torch.cat(values)
 
 
-def _forward(key: str, batch: dict[str, Any], micro_batch_size: int, head, max_tokens: int | None,
+def _forward(key: str, batch: RankBatch | dict[str, Any], micro_batch_size: int, head, max_tokens: int | None,
              pack: bool, select: bool = False, share: bool = False) -> tuple[int, Any] | None:
     """Runs ``head(outputs [rows, width, ...], microbatch)`` on every micro-batch of this rank's
     shard, no grad; the results come back in the shard's order."""
@@ -240,7 +246,7 @@ def _forward(key: str, batch: dict[str, Any], micro_batch_size: int, head, max_t
     return model.info.dp_rank, _scatter([o["result"] for o in outputs], mbs, n, width)
 
 
-def logprobs(key: str, batch: dict[str, Any], micro_batch_size: int, entropy: bool = False,
+def logprobs(key: str, batch: RankBatch | dict[str, Any], micro_batch_size: int, entropy: bool = False,
              max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
              share_prompt: bool = False, response_only: bool = True):
     """log p(tokens[:, 1:]) [B, L-1] (and the entropy of each prediction) under the model; 0 past
@@ -260,16 +266,16 @@ def logprobs(key: str, batch: dict[str, Any], micro_batch_size: int, entropy: bo
                     select=response_only, share=share_prompt)
 
 
-def values(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens_per_microbatch: int | None = None,
-           pack_sequences: bool = False, share_prompt: bool = False):
+def values(key: str, batch: RankBatch | dict[str, Any], micro_batch_size: int,
+           max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False, share_prompt: bool = False):
     """Critic values of the state before each label position [B, L-1]. (Value heads read every
     position, so ``share_prompt``, a policy-side saving, does not apply.)"""
     return _forward(key, batch, micro_batch_size, lambda v, mb: _per_label(v[:, :-1, 0], mb).float(),
                     max_tokens_per_microbatch, pack_sequences)
 
 
-def scores(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens_per_microbatch: int | None = None,
-           pack_sequences: bool = False, share_prompt: bool = False):
+def scores(key: str, batch: RankBatch | dict[str, Any], micro_batch_size: int,
+           max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False, share_prompt: bool = False):
     """Reward-model score of each sequence [B]: the value head at its last token."""
     def head(v, mb):
         return v[mb["seq_row"], mb["seq_start"] + mb["seq_lens"] - 1, 0].float()
@@ -309,8 +315,8 @@ def _config(algo: AlgorithmConfig | dict[str, Any]) -> AlgorithmConfig:
     return algo if isinstance(algo, AlgorithmConfig) else AlgorithmConfig(**algo)
 
 
-def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int, minibatches: int, epochs: int,
-            loss_fn, max_tokens: int | None, pack: bool, select: bool = False,
+def _update(key: str, batch: RankBatch | dict[str, Any], optim: dict, micro_batch_size: int, minibatches: int,
+            epochs: int, loss_fn, max_tokens: int | None, pack: bool, select: bool = False,
             share: bool = False, metrics: tuple[Metric, ...] = ()) -> dict[str, Any] | None:
     """``epochs`` passes over ``minibatches`` optimizer steps on this rank's shard.
 
@@ -363,7 +369,7 @@ def _update(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
     return {"steps": per_step, "per_token": per_token, "reduce": {name: reduce[name] for name in per_step[0]}}
 
 
-def train_policy(key: str, batch: dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
+def train_policy(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
                  micro_batch_size: int, max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
                  share_prompt: bool = False):
     """The policy updates of ``algo``'s algorithm (its ``loss`` on each micro-batch) on ``batch``;
@@ -379,7 +385,7 @@ def train_policy(key: str, batch: dict[str, Any], algo: AlgorithmConfig | dict[s
     cfg = _config(algo)
     algorithm = get_algorithm(cfg.name)
     vocab = held(key).spec.arch.vocab_size
-    on_policy = "old_logprobs" not in batch
+    on_policy = "old_logprobs" not in _plain(batch)
     if on_policy and (cfg.ppo_epochs != 1 or cfg.minibatches != 1):
         raise ValueError(f"no old_logprobs: an update of {cfg.ppo_epochs} epoch(s) x {cfg.minibatches} "
                          "minibatch(es) is off-policy after its first step and needs them")
@@ -406,7 +412,7 @@ def train_policy(key: str, batch: dict[str, Any], algo: AlgorithmConfig | dict[s
                    metrics=algorithm.loss_metrics())
 
 
-def train_value(key: str, batch: dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
+def train_value(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
                 micro_batch_size: int, max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
                 share_prompt: bool = False):
     """The critic's clipped value-loss updates towards ``batch["returns"]`` (``Algorithm.value_loss``)."""
