@@ -18,7 +18,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megarl", "megarl.*"]),
     include_package_data=True,
-    package_data={"megarl": ["py.typed"], "megarl.recipes": ["*.yaml"]},
+    # the published architectures `megarl plan` reads by name (megarl.plan.archs)
+    package_data={"megarl": ["py.typed"], "megarl.recipes": ["*.yaml"], "megarl.plan": ["arch_configs/*/config.json"]},
     install_requires=[
         TORCH,
         MEGATRON_CORE,

@@ -9,7 +9,7 @@ from megarl.convert.mapping import ShardLayout, hf_tensor_shapes, recipe
 from megarl.models.hf_arch import ModelArch, RopeConfig
 from megarl.reshard.checksum import region_checksum, tensor_checksum
 from megarl.reshard.plan import DestRank, ParamInfo, PlanError, SourceRank, build_plan
-from megarl.reshard.vllm_layout import vllm_param_names, vllm_recipe
+from megarl.rollout.vllm_layout import VLLM_LAYOUT, vllm_param_names, vllm_recipe
 
 ARCH = ModelArch(family="llama", vocab_size=250, hidden_size=64, ffn_hidden_size=96, num_layers=4, num_heads=8,
                  num_kv_heads=2, head_dim=8, norm_eps=1e-5, tie_embeddings=False, qkv_bias=True,
@@ -79,7 +79,7 @@ def test_plan_delivers_each_shard_exactly(tp, pp, rollout_tp, tied):
     hf = hf_tensors(arch)
     srcs, src_tensors = sources(arch, hf, tp, pp)
     dsts = dests(arch, rollout_tp, first_rank=len(srcs))
-    plan = build_plan(arch, srcs, dsts, bucket_bytes=4096)
+    plan = build_plan(arch, srcs, dsts, VLLM_LAYOUT, bucket_bytes=4096)
     received = {d.rank: {n: torch.full(vllm_recipe(arch, n, d.tp_rank, rollout_tp).shape, float("nan"))
                          for n in d.params} for d in dsts}
     for t in plan.transfers:
@@ -102,7 +102,7 @@ def test_fragments_checksums_agree():
     hf = hf_tensors(arch)
     srcs, src_tensors = sources(arch, hf, 2, 2)
     dsts = dests(arch, 2, first_rank=len(srcs))
-    plan = build_plan(arch, srcs, dsts, bucket_bytes=10_000)
+    plan = build_plan(arch, srcs, dsts, VLLM_LAYOUT, bucket_bytes=10_000)
     sent: dict = {}
     for s in srcs:
         fragment = plan.fragment(s.rank)
@@ -128,14 +128,43 @@ def test_engine_of_another_model_is_refused():
     srcs, _ = sources(ARCH, hf, 1, 1)
     other = ModelArch(**{**ARCH.to_dict(), "rope": ARCH.rope, "hidden_size": 32, "head_dim": 4})
     with pytest.raises(PlanError, match=r"model\.embed_tokens\.weight on vLLM TP rank 0/1 has shape \[256, 32\]"):
-        build_plan(ARCH, srcs, dests(other, 1, first_rank=1), bucket_bytes=4096)
+        build_plan(ARCH, srcs, dests(other, 1, first_rank=1), VLLM_LAYOUT, bucket_bytes=4096)
     fewer = ModelArch(**{**ARCH.to_dict(), "rope": ARCH.rope, "num_layers": 2})
     with pytest.raises(PlanError, match=r"does not match the actor \(4 layers.*missing \['model\.layers\.2"):
-        build_plan(ARCH, srcs, dests(fewer, 1, first_rank=1), bucket_bytes=4096)
+        build_plan(ARCH, srcs, dests(fewer, 1, first_rank=1), VLLM_LAYOUT, bucket_bytes=4096)
 
 
 def test_sources_that_do_not_cover_the_model_are_refused():
     hf = hf_tensors(ARCH)
     srcs, _ = sources(ARCH, hf, 1, 2)
     with pytest.raises(PlanError, match=r"no actor rank holds rows/columns 0\.\. of model\.layers\.2"):
-        build_plan(ARCH, srcs[:1], dests(ARCH, 1, first_rank=2), bucket_bytes=4096)
+        build_plan(ARCH, srcs[:1], dests(ARCH, 1, first_rank=2), VLLM_LAYOUT, bucket_bytes=4096)
+
+
+def test_the_destination_layout_is_the_callers():
+    """The planner knows no engine's layout: any DestinationLayout it is given is filled exactly.
+    Here an engine that holds every HF tensor whole, on each of two ranks."""
+    from megarl.models.recipes import Piece, Recipe
+    from megarl.reshard.plan import DestinationLayout
+
+    shapes = hf_tensor_shapes(ARCH)
+
+    def whole(arch, name, tp_rank, tp):  # along the dim the actor splits (the planner needs the same one)
+        dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+        return Recipe(dim, (Piece(name, 0, shapes[name][dim]),), shapes[name])
+
+    whole_tensors = DestinationLayout(engine="whole-tensor", param_names=lambda arch: list(hf_tensor_shapes(arch)),
+                                      recipe=whole)
+    hf = hf_tensors(ARCH)
+    srcs, src_tensors = sources(ARCH, hf, 2, 2)
+    dsts = [DestRank(len(srcs) + r, r, 2, {n: ParamInfo(s, "float32") for n, s in shapes.items()}) for r in range(2)]
+    plan = build_plan(ARCH, srcs, dsts, whole_tensors, bucket_bytes=4096)
+    for d in dsts:
+        received = {n: torch.full(s, float("nan")) for n, s in shapes.items()}
+        for t in (t for t in plan.transfers if t.dst == d.rank):
+            received[t.dst_param].narrow(t.dim, t.dst_offset, t.length).copy_(
+                src_tensors[t.src][t.src_param].narrow(t.dim, t.src_offset, t.length))
+        assert all(torch.equal(received[n], hf[n]) for n in shapes)
+    # a mismatch is reported in the engine's own name
+    with pytest.raises(PlanError, match=r"the whole-tensor engine's model does not match the actor"):
+        build_plan(ARCH, srcs, dests(ARCH, 1, first_rank=len(srcs)), whole_tensors, bucket_bytes=4096)

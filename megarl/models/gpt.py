@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.config.schema import ParallelConfig, PrecisionConfig, RecomputeConfig
+from megarl.models.arch import family_of
 from megarl.models.hf_arch import ModelArch
 from megarl.models.layout import padded_vocab_size
 from megarl.models.value_head import ValueHead
@@ -61,16 +62,7 @@ def transformer_config(spec: ModelSpec):
     dtype = spec.params_dtype
     platform = current_platform()
     kwargs = recompute_kwargs(spec.recompute)
-    if arch.is_moe:
-        kwargs.update(
-            num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.moe_topk,
-            moe_ffn_hidden_size=arch.ffn_hidden_size,
-            moe_router_load_balancing_type="none",
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
-            moe_router_dtype="fp32",
-        )
+    kwargs.update(family_of(arch).transformer_config_kwargs(arch))  # e.g. MoE routing, QK norm
     if prec.fp8 is not None:
         kwargs.update(fp8=prec.fp8, fp8_recipe=prec.fp8_recipe,
                       fp8_amax_history_len=prec.fp8_amax_history_len, fp8_amax_compute_algo="max")
@@ -151,7 +143,7 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
     post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(num_experts=spec.arch.num_experts),
+        transformer_layer_spec=gpt_layer_spec(**family_of(spec.arch).layer_spec_kwargs(spec.arch)),
         vocab_size=spec.padded_vocab,
         max_sequence_length=spec.arch.max_position_embeddings,
         pre_process=pre,

@@ -1,7 +1,7 @@
 """Model architecture read from a Hugging Face ``config.json``.
 
-``ModelArch`` is the one description of a model that megarl builds, converts and
-reshards. It is parsed strictly: a setting megarl cannot reproduce exactly
+``ModelArch`` (``megarl.models.arch``) is the one description of a model that megarl
+builds, converts and reshards. It is parsed strictly: a setting megarl cannot reproduce exactly
 (an activation, a rope type, biases in the wrong places) is refused with the
 field and file named, because a conversion that silently drops one produces
 wrong numbers that look fine.
@@ -10,86 +10,18 @@ wrong numbers that look fine.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+# ModelArch and its parts live in megarl.models.arch (with the family registry); they are
+# re-exported here, where most of megarl imports them from.
+from megarl.models.arch import ArchError, ModelArch, RopeConfig, family_names, family_of, required
 
+__all__ = ["SUPPORTED_FAMILIES", "ArchError", "ModelArch", "RopeConfig", "arch_from_hf_config", "arch_from_hf_dir",
+           "load_hf_config"]
 
-class ArchError(ValueError):
-    """An HF config megarl cannot reproduce; the message names the field and the file."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    kind: str = "default"  # "default" | "llama3" | "linear"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    family: str
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    norm_eps: float
-    tie_embeddings: bool
-    qkv_bias: bool
-    max_position_embeddings: int
-    rope: RopeConfig
-    sliding_window: int | None = None
-    num_experts: int | None = None
-    moe_topk: int | None = None
-    dtype: str = "float32"  # the checkpoint's torch dtype name
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts is not None
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelArch:
-        data = dict(data)
-        data["rope"] = RopeConfig(**data["rope"])
-        return cls(**data)
-
-    def num_parameters(self) -> int:
-        """Parameter count of the HF model (unpadded vocab, tied embeddings counted once)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        if self.qkv_bias:
-            attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * h * self.ffn_hidden_size * (self.num_experts or 1)
-        if self.is_moe:
-            mlp += h * self.num_experts
-        per_layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
-
-    def mismatches(self, other: ModelArch) -> list[str]:
-        """Fields that differ between two architectures (dtype excluded), as 'name: a != b'."""
-        mine, theirs = self.to_dict(), other.to_dict()
-        return [
-            f"{key}: {mine[key]!r} != {theirs[key]!r}"
-            for key in mine
-            if key not in ("dtype", "extra") and mine[key] != theirs[key]
-        ]
+# The registered families (megarl.models.families), fixed once megarl.models is imported.
+SUPPORTED_FAMILIES = family_names()
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -132,12 +64,13 @@ def _rope_from_config(cfg: dict[str, Any], source: str) -> RopeConfig:
 
 
 def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArch:
-    """Parses an HF config dict; raises ArchError naming the field for anything unsupported."""
+    """Parses an HF config dict; raises ArchError naming the field for anything unsupported.
+
+    The fields every family shares are read here; the family reads its own (biases, window,
+    experts) through ``Family.read_hf_config``."""
 
     def need(key: str) -> Any:
-        if key not in cfg or cfg[key] is None:
-            raise ArchError(f"{source}: required field {key!r} is missing")
-        return cfg[key]
+        return required(cfg, key, source)
 
     family = cfg.get("model_type")
     if family not in SUPPORTED_FAMILIES:
@@ -151,24 +84,13 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    # an explicit head_dim may differ from hidden / heads (megatron-core's kv_channels)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     if heads % kv_heads:
         raise ArchError(f"{source}: num_attention_heads={heads} is not a multiple of "
                         f"num_key_value_heads={kv_heads}")
-    # Qwen2 always carries q/k/v biases; Llama-style configs may via attention_bias.
-    qkv_bias = family == "qwen2" or bool(cfg.get("attention_bias", False))
-    if family != "qwen2" and cfg.get("attention_bias"):
-        raise ArchError(f"{source}: attention_bias=true (biases on o_proj too) is not supported")
-    sliding = cfg.get("sliding_window")
-    if family == "qwen2" and not cfg.get("use_sliding_window", False):
-        sliding = None
-    elif family == "qwen2" and cfg.get("use_sliding_window"):
-        raise ArchError(f"{source}: use_sliding_window=true (Qwen2 per-layer windows) is not supported")
-    num_experts = moe_topk = None
     ffn = int(need("intermediate_size"))
-    if family == "mixtral":
-        num_experts = int(need("num_local_experts"))
-        moe_topk = int(need("num_experts_per_tok"))
+    own = family_of(family).read_hf_config(cfg, source)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return ModelArch(
         family=family,
@@ -181,11 +103,11 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         head_dim=head_dim,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
+        qkv_bias=own["qkv_bias"],
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rope=_rope_from_config(cfg, source),
-        sliding_window=int(sliding) if sliding else None,
-        num_experts=num_experts,
-        moe_topk=moe_topk,
+        sliding_window=own.get("sliding_window"),
+        num_experts=own.get("num_experts"),
+        moe_topk=own.get("moe_topk"),
         dtype=str(dtype).replace("torch.", ""),
     )

@@ -1,9 +1,11 @@
 """Architectures of models whose weights are not on this machine.
 
 A recipe for a cluster names its weights by a cluster path and its architecture by
-``model.arch``: a name from ``model_configs/archs`` (``llama3.1-70b``), or the path
+``model.arch``: a name from ``megarl/plan/arch_configs`` (``llama3.1-70b``), or the path
 of an HF ``config.json`` (or of its folder). The files there hold the published
 architecture numbers of each model card; they validate and plan, they build nothing.
+They are package data, so ``megarl plan`` works from an installed wheel too;
+``model_configs/archs`` in the source tree links to them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from megarl.models.hf_arch import ArchError, ModelArch, arch_from_hf_config
 
-ARCHS_DIR = Path(__file__).resolve().parents[2] / "model_configs" / "archs"
+ARCHS_DIR = Path(__file__).resolve().parent / "arch_configs"
 
 
 def arch_names() -> list[str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from megarl.models.arch import family_of
 from megarl.models.hf_arch import ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -142,21 +143,11 @@ def stage_layer_counts(num_layers: int, layout: Layout) -> list[int]:
 
 
 def layer_tensors(arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
-    """Element counts of one transformer layer's parameters on one rank: (dense, expert)."""
-    h, d = arch.hidden_size, arch.head_dim
-    qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d // tp
-    dense = [h, qkv_out * h, arch.num_heads * d // tp * h, h]  # norm, qkv, proj, pre-MLP norm
-    if arch.qkv_bias:
-        dense.append(qkv_out)
-    expert: list[int] = []
-    ffn = arch.ffn_hidden_size // tp
-    if arch.is_moe:
-        dense.append(arch.num_experts * h)  # router, replicated
-        for _ in range(arch.num_experts // ep):
-            expert += [2 * ffn * h, ffn * h]
-    else:
-        dense += [2 * ffn * h, ffn * h]  # fc1 (gate and up fused), fc2
-    return dense, expert
+    """Element counts of one transformer layer's parameters on one rank: (dense, expert).
+
+    The family's count (``Family.layer_params``), which ``ModelArch.num_parameters`` sums at
+    tp = ep = 1: every planner path counts parameters through it."""
+    return family_of(arch).layer_params(arch, tp, ep)
 
 
 def stage_tensors(arch: ModelArch, layout: Layout, stage: int, value_head: bool = False,

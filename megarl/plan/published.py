@@ -36,17 +36,18 @@ NEMO_RL_NOTES = (f"assumed: prompts of {PROMPT_LEN} tokens (the table gives the 
 def _qwen3(name: str, hidden: int, ffn: int, layers: int, heads: int, kv: int, experts: int | None = None,
            topk: int | None = None) -> ModelArch:
     """A Qwen3 architecture from its HF config.json figures (QK-norm and the router cost no FLOPs
-    worth modelling; family llama is how the planner reads a GQA SwiGLU decoder)."""
-    return ModelArch(family="llama", vocab_size=151936, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
-                     num_heads=heads, num_kv_heads=kv, head_dim=128, norm_eps=1e-6, tie_embeddings=False,
-                     qkv_bias=False, max_position_embeddings=40960, rope=RopeConfig(theta=1000000.0),
-                     num_experts=experts, moe_topk=topk, extra={"name": name})
+    worth modelling; family llama is how the planner reads a GQA SwiGLU decoder, mixtral one whose
+    MLP is top-k routed SwiGLU experts)."""
+    return ModelArch(family="mixtral" if experts else "llama", vocab_size=151936, hidden_size=hidden,
+                     ffn_hidden_size=ffn, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=128,
+                     norm_eps=1e-6, tie_embeddings=False, qkv_bias=False, max_position_embeddings=40960,
+                     rope=RopeConfig(theta=1000000.0), num_experts=experts, moe_topk=topk, extra={"name": name})
 
 
 @dataclass(frozen=True)
 class PublishedRun:
     name: str
-    arch: str  # a model_configs/archs name, or a key of QWEN3
+    arch: str  # a name from megarl/plan/arch_configs, or a key of QWEN3
     gpus: int
     prompts: int
     samples: int

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from megarl.models.hf_arch import ModelArch
 from megarl.plan.hardware import Efficiency, GpuSpec
-from megarl.plan.memory import DTYPE_BYTES, Layout, RolloutShape, vllm_kv_bytes_per_token
+from megarl.plan.memory import DTYPE_BYTES, Layout, RolloutShape, layer_tensors, vllm_kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,9 @@ def active_params(arch: ModelArch) -> float:
     """Parameters one token passes through (MoE: the top-k experts only)."""
     if not arch.is_moe:
         return arch.num_parameters()
-    expert = 3 * arch.hidden_size * arch.ffn_hidden_size * arch.num_layers
-    return arch.num_parameters() - expert * (arch.num_experts - (arch.moe_topk or 1))
+    _, experts = layer_tensors(arch, 1, 1)  # every expert of one layer, whole
+    per_expert = sum(experts) // arch.num_experts * arch.num_layers
+    return arch.num_parameters() - per_expert * (arch.num_experts - (arch.moe_topk or 1))
 
 
 def forward_flops_per_token(arch: ModelArch, context: float) -> float:

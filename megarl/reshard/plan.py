@@ -1,7 +1,9 @@
-"""Shard-to-shard weight sync plans: Megatron (TP, PP[, EP]) ranks → vLLM TP ranks.
+"""Shard-to-shard weight sync plans: Megatron (TP, PP[, EP]) ranks → rollout engine (vLLM) TP ranks.
 
 Both sides describe their shards as recipes of HF tensor pieces (see
-``megarl.convert.mapping``). The planner intersects them per HF tensor, so each
+``megarl.convert.mapping``): the sources by megatron-core's layout, the destinations
+by the ``DestinationLayout`` the rollout backend passes in (vLLM's is
+``megarl.rollout.vllm_layout.VLLM_LAYOUT``). The planner intersects them per HF tensor, so each
 destination rank receives exactly the slices of its own shard, each from one
 source, once. Source replicas (norms on every TP rank) are spread over
 destinations. A plan is built once from metadata both sides report; its
@@ -19,19 +21,28 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from megarl.convert.mapping import Recipe, ShardLayout, recipe
 from megarl.models.hf_arch import ModelArch
-from megarl.reshard.vllm_layout import vllm_param_names, vllm_recipe
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 class PlanError(ValueError):
     """The two sides do not fit together; the message names the parameter or field."""
+
+
+@dataclass(frozen=True)
+class DestinationLayout:
+    """How a rollout engine lays out a model's weights over its tensor-parallel ranks."""
+
+    engine: str  # names the engine in messages ("vLLM")
+    param_names: Callable[[ModelArch], list[str]]  # every parameter of one engine rank
+    recipe: Callable[[ModelArch, str, int, int], Recipe]  # (arch, name, tp_rank, tp) -> its HF pieces
 
 
 @dataclass(frozen=True)
@@ -51,12 +62,12 @@ class SourceRank:
 
 @dataclass(frozen=True)
 class DestRank:
-    """A vLLM worker."""
+    """A rollout engine's worker (a vLLM worker)."""
 
     rank: int  # rank in the sync group
     tp_rank: int
     tp: int
-    params: dict[str, ParamInfo]  # vLLM parameter name -> logical shape and dtype
+    params: dict[str, ParamInfo]  # the engine's parameter name -> logical shape and dtype
 
 
 @dataclass(frozen=True)
@@ -103,8 +114,8 @@ def meta_fingerprint(params: dict[str, ParamInfo]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _check_dest(arch: ModelArch, dest: DestRank) -> dict[str, Recipe]:
-    expected = vllm_param_names(arch)
+def _check_dest(arch: ModelArch, dest: DestRank, layout: DestinationLayout) -> dict[str, Recipe]:
+    expected = layout.param_names(arch)
     missing = sorted(set(expected) - set(dest.params))
     extra = sorted(set(dest.params) - set(expected))
     if missing or extra:
@@ -113,15 +124,16 @@ def _check_dest(arch: ModelArch, dest: DestRank) -> dict[str, Recipe]:
             detail.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
         if extra:
             detail.append(f"unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}")
-        raise PlanError(f"the vLLM engine's model does not match the actor ({arch.num_layers} layers, "
+        raise PlanError(f"the {layout.engine} engine's model does not match the actor ({arch.num_layers} layers, "
                         f"tied embeddings={arch.tie_embeddings}): {'; '.join(detail)}")
     recipes = {}
     for name in expected:
-        rec = vllm_recipe(arch, name, dest.tp_rank, dest.tp)
+        rec = layout.recipe(arch, name, dest.tp_rank, dest.tp)
         got = dest.params[name].shape
         if tuple(got) != rec.shape:
-            raise PlanError(f"the vLLM engine's model does not match the actor: {name} on vLLM TP rank "
-                            f"{dest.tp_rank}/{dest.tp} has shape {list(got)}, the actor's architecture gives "
+            raise PlanError(f"the {layout.engine} engine's model does not match the actor: {name} on "
+                            f"{layout.engine} TP rank {dest.tp_rank}/{dest.tp} has shape {list(got)}, the actor's "
+                            f"architecture gives "
                             f"{list(rec.shape)} (hidden={arch.hidden_size}, heads={arch.num_heads}, "
                             f"kv_heads={arch.num_kv_heads}, ffn={arch.ffn_hidden_size}, vocab={arch.vocab_size})")
         recipes[name] = rec
@@ -182,9 +194,9 @@ def _cover(hf: str, start: int, stop: int, candidates: list[_SourcePiece], balan
     return out
 
 
-def build_plan(arch: ModelArch, sources: list[SourceRank], dests: list[DestRank], bucket_bytes: int,
-               value_head: bool = False) -> SyncPlan:
-    """The transfers that give every destination its own shard, cut into buckets."""
+def build_plan(arch: ModelArch, sources: list[SourceRank], dests: list[DestRank], layout: DestinationLayout,
+               bucket_bytes: int, value_head: bool = False) -> SyncPlan:
+    """The transfers that give every destination its own shard (as ``layout`` cuts it), in buckets."""
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
     index = _source_index(arch, sources, value_head)
@@ -192,7 +204,7 @@ def build_plan(arch: ModelArch, sources: list[SourceRank], dests: list[DestRank]
     needed: dict[int, int] = {}
     shapes: dict[int, dict[str, tuple[int, ...]]] = {}
     for dest in dests:
-        recipes = _check_dest(arch, dest)
+        recipes = _check_dest(arch, dest, layout)
         shapes[dest.rank] = {name: rec.shape for name, rec in recipes.items()}
         needed[dest.rank] = 0
         for name, rec in recipes.items():
@@ -204,7 +216,8 @@ def build_plan(arch: ModelArch, sources: list[SourceRank], dests: list[DestRank]
                     needed[dest.rank] += piece.length * row * _ELEMENT_SIZE[dtype]
                     for src, lo, hi in _cover(piece.hf, piece.start, piece.stop, index.get(piece.hf, []), dest.rank):
                         if src.dim != rec.dim:
-                            raise PlanError(f"{piece.hf}: the actor splits dim {src.dim}, vLLM dim {rec.dim}")
+                            raise PlanError(f"{piece.hf}: the actor splits dim {src.dim}, {layout.engine} "
+                                            f"dim {rec.dim}")
                         transfers.append(Transfer(
                             src=src.rank, src_param=src.param, dst=dest.rank, dst_param=name, dim=rec.dim,
                             src_offset=src.offset + lo - src.start, dst_offset=offset + lo - piece.start,

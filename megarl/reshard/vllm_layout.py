@@ -1,20 +1,30 @@
-"""vLLM's tensor-parallel layout of Llama-family weights, as HF-piece recipes.
+"""vLLM's tensor-parallel layout of a model's weights, as HF-piece recipes.
 
-Per rank r of TP size T (vLLM's conventions, which the worker checks against
-its live model before any byte moves):
+The sync planner does not import this: the rollout backend hands it in as the
+destination layout (``megarl.rollout.vllm_layout.VLLM_LAYOUT``), and new code should
+import from there. The recipes stay in this module for now because
+``megarl.validation.checks``, ``megarl.bench.refit`` and ``tests/test_refit_memory.py``
+import them from here, and a module here cannot import from ``megarl.rollout`` (which
+imports ``megarl.reshard``: a cycle the layer contracts refuse). Once those switch to
+``megarl.rollout.vllm_layout``, this module's body moves there.
+
+Per rank r of TP size T:
 - ``embed_tokens`` / ``lm_head``: the vocabulary padded to a multiple of 64 and
   split evenly; rows past the real vocabulary are zeros vLLM keeps;
-- ``qkv_proj``: ``[q heads of r; k heads; v heads]``; when T exceeds the KV
-  heads, each rank holds one KV head, replicated over T / num_kv_heads ranks;
-- ``gate_up_proj``: ``[gate rows of r; up rows of r]``;
-- ``o_proj`` / ``down_proj``: columns of r;
-- norms: replicated. Tied embeddings have no separate ``lm_head`` parameter.
+- the final norm: replicated. Tied embeddings have no separate ``lm_head`` parameter;
+- each layer's tensors: the family's (``Family.vllm_layer_recipe``; the Llama-style
+  ``qkv_proj`` / ``gate_up_proj`` / ``o_proj`` / ``down_proj`` layout is in
+  ``megarl.models.families.base``).
 """
 
 from __future__ import annotations
 
-from megarl.convert.mapping import Piece, Recipe, hf_layer
+from megarl.models.arch import family_of
+from megarl.models.families.base import vllm_kv_heads
 from megarl.models.hf_arch import ModelArch
+from megarl.models.recipes import Piece, Recipe, hf_layer, whole
+
+__all__ = ["VLLM_VOCAB_PADDING", "vllm_kv_heads", "vllm_padded_vocab", "vllm_param_names", "vllm_recipe"]
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
@@ -24,34 +34,20 @@ def vllm_padded_vocab(vocab_size: int) -> int:
 
 
 def vllm_param_names(arch: ModelArch) -> list[str]:
-    if arch.is_moe:
-        raise NotImplementedError("weight sync into vLLM's fused MoE experts is not supported yet")
+    """vLLM's parameters of ``arch``; NotImplementedError where the sync cannot fill them."""
+    family = family_of(arch)
     names = ["model.embed_tokens.weight"]
     for i in range(arch.num_layers):
-        p = hf_layer(i)
-        names += [p + "self_attn.qkv_proj.weight"]
-        if arch.qkv_bias:
-            names += [p + "self_attn.qkv_proj.bias"]
-        names += [p + "self_attn.o_proj.weight", p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight",
-                  p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += family.vllm_layer_names(arch, hf_layer(i))
     names.append("model.norm.weight")
     if not arch.tie_embeddings:
         names.append("lm_head.weight")
     return names
 
 
-def vllm_kv_heads(arch: ModelArch, tp_rank: int, tp: int) -> tuple[int, int]:
-    """The KV heads [first, stop) held by ``tp_rank``."""
-    if tp >= arch.num_kv_heads:
-        replicas = tp // arch.num_kv_heads
-        head = tp_rank // replicas
-        return head, head + 1
-    per_rank = arch.num_kv_heads // tp
-    return tp_rank * per_rank, (tp_rank + 1) * per_rank
-
-
 def vllm_recipe(arch: ModelArch, name: str, tp_rank: int, tp: int) -> Recipe:
-    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    """The recipe of vLLM's parameter ``name`` on TP rank ``tp_rank`` of ``tp``; KeyError if unknown."""
+    h = arch.hidden_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         source = "model.embed_tokens.weight" if arch.tie_embeddings else name
         per_rank = vllm_padded_vocab(arch.vocab_size) // tp
@@ -61,30 +57,11 @@ def vllm_recipe(arch: ModelArch, name: str, tp_rank: int, tp: int) -> Recipe:
         if stop > max(start, real_stop):
             pieces.append(Piece(None, max(start, real_stop), stop))
         return Recipe(0, tuple(pieces), (per_rank, h))
-    if name == "model.norm.weight" or name.endswith("layernorm.weight"):
-        return Recipe(0, (Piece(name, 0, h),), (h,))
-    layer, rest = name[len("model.layers."):].split(".", 1)
-    p = hf_layer(int(layer))
-    if rest in ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"):
-        kind = rest.rsplit(".", 1)[1]
-        q_heads = arch.num_heads // tp
-        kv_first, kv_stop = vllm_kv_heads(arch, tp_rank, tp)
-        pieces = (
-            Piece(f"{p}self_attn.q_proj.{kind}", tp_rank * q_heads * d, (tp_rank + 1) * q_heads * d),
-            Piece(f"{p}self_attn.k_proj.{kind}", kv_first * d, kv_stop * d),
-            Piece(f"{p}self_attn.v_proj.{kind}", kv_first * d, kv_stop * d),
-        )
-        rows = (q_heads + 2 * (kv_stop - kv_first)) * d
-        return Recipe(0, pieces, (rows, h) if kind == "weight" else (rows,))
-    if rest == "self_attn.o_proj.weight":
-        width = arch.num_heads * d // tp
-        return Recipe(1, (Piece(p + "self_attn.o_proj.weight", tp_rank * width, (tp_rank + 1) * width),), (h, width))
-    if rest == "mlp.gate_up_proj.weight":
-        rows = f // tp
-        start, stop = tp_rank * rows, (tp_rank + 1) * rows
-        return Recipe(0, (Piece(p + "mlp.gate_proj.weight", start, stop), Piece(p + "mlp.up_proj.weight", start, stop)),
-                      (2 * rows, h))
-    if rest == "mlp.down_proj.weight":
-        width = f // tp
-        return Recipe(1, (Piece(p + "mlp.down_proj.weight", tp_rank * width, (tp_rank + 1) * width),), (h, width))
+    if name == "model.norm.weight":
+        return whole(name, (h,))
+    if name.startswith("model.layers."):
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        found = family_of(arch).vllm_layer_recipe(arch, rest, hf_layer(int(layer)), tp_rank, tp)
+        if found is not None:
+            return found
     raise KeyError(name)

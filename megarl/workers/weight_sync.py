@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from megarl.platform import current_platform
-from megarl.reshard.plan import DestRank, ParamInfo, PlanError, SourceRank, SyncPlan, build_plan
+from megarl.reshard.plan import DestinationLayout, DestRank, ParamInfo, PlanError, SourceRank, SyncPlan, build_plan
+from megarl.rollout.vllm_layout import VLLM_LAYOUT
 from megarl.utils.abort import RUN_ABORT, wait_all
 from megarl.workers import megatron_model, sync_fns
 
@@ -56,10 +57,11 @@ class VerifyReport:
 
 class WeightSync:
     def __init__(self, actor, model_key: str, engines: list, bucket_bytes: int = 256 * 2**20,
-                 backend: str | None = None, timeout_s: float = 120.0):
+                 backend: str | None = None, timeout_s: float = 120.0, layout: DestinationLayout = VLLM_LAYOUT):
         self.actor = actor
         self.model_key = model_key
         self.engines = engines
+        self.layout = layout  # how the engines lay out their weights: the rollout backend's
         self.bucket_bytes = bucket_bytes
         self.backend = backend or current_platform().backend
         self.timeout_s = timeout_s
@@ -89,7 +91,8 @@ class WeightSync:
             self.destinations.append(workers)
             first += len(workers)
         # Refuses a mismatched engine (PlanError) before any group is formed or byte moved.
-        self.plan = build_plan(arch, self._sources, [d for ws in self.destinations for d in ws], self.bucket_bytes)
+        self.plan = build_plan(arch, self._sources, [d for ws in self.destinations for d in ws], self.layout,
+                               self.bucket_bytes)
         world = first
         host_rank = next(g for g, s in rank_map.items() if s == 0)
         host, port = self.actor.run_on([host_rank], sync_fns.address)[0]

@@ -1,0 +1,170 @@
+"""What a model is (``ModelArch``), and the registry of the families that know each kind.
+
+``ModelArch`` is the one description of a model that megarl builds, converts, syncs
+and plans for. Everything that differs between model families (which config fields
+they read, the megatron-core options they need, their checkpoint tensors, how each
+shard is cut from them, vLLM's layout of them, their parameter count) sits behind
+``Family``, one implementation per HF ``model_type`` under ``megarl.models.families``.
+Generic code asks ``family_of(arch)``; it never branches on the family's name.
+
+The registry lives here, next to ``ModelArch``, because ``ModelArch.num_parameters``
+asks the family while the families need ``ModelArch``: a module of its own would make
+the two import each other. ``megarl.models`` imports the families package on first
+use, so the registry is full before anything can look a family up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from megarl.models.recipes import Recipe, ShardLayout
+
+
+class ArchError(ValueError):
+    """An HF config megarl cannot reproduce; the message names the field and the file."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    kind: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str  # the HF model_type; picks the Family
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    tie_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    rope: RopeConfig
+    sliding_window: int | None = None
+    num_experts: int | None = None
+    moe_topk: int | None = None
+    dtype: str = "float32"  # the checkpoint's torch dtype name
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelArch:
+        data = dict(data)
+        data["rope"] = RopeConfig(**data["rope"])
+        return cls(**data)
+
+    def num_parameters(self) -> int:
+        """Parameter count of the HF model (unpadded vocab, tied embeddings counted once).
+
+        The layers' share is the family's ``layer_params`` at tp = ep = 1: the same count the
+        planner splits over ranks, so the two cannot drift apart."""
+        dense, expert = family_of(self).layer_params(self, 1, 1)
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (sum(dense) + sum(expert)) + embed + self.hidden_size  # + final norm
+
+    def mismatches(self, other: ModelArch) -> list[str]:
+        """Fields that differ between two architectures (dtype excluded), as 'name: a != b'."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [
+            f"{key}: {mine[key]!r} != {theirs[key]!r}"
+            for key in mine
+            if key not in ("dtype", "extra") and mine[key] != theirs[key]
+        ]
+
+
+class Family(Protocol):
+    """Everything megarl needs to know about one model family (one HF ``model_type``).
+
+    Per-layer hooks get ``prefix``, the HF name prefix of the layer (``model.layers.3.``),
+    and ``rest``, a parameter's name inside its layer. Whole-model tensors (embeddings,
+    final norm, output layer) are the same for every family and handled by the callers.
+    """
+
+    model_type: str
+
+    def read_hf_config(self, cfg: dict[str, Any], source: str) -> dict[str, Any]:
+        """The family's own ModelArch fields (qkv_bias, sliding_window, num_experts, moe_topk)
+        from an HF config; raises ArchError naming the field for anything unsupported."""
+        ...
+
+    def transformer_config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
+        """Extra megatron-core TransformerConfig fields of this family."""
+        ...
+
+    def layer_spec_kwargs(self, arch: ModelArch) -> dict[str, Any]:
+        """Arguments of ``megarl.platform.gpt_layer_spec`` for this family."""
+        ...
+
+    def hf_layer_shapes(self, arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor of one layer, with its shape, in checkpoint order."""
+        ...
+
+    def layer_recipe(self, arch: ModelArch, rest: str, prefix: str, layout: ShardLayout) -> Recipe | None:
+        """The HF pieces of the megatron-core layer parameter ``rest`` on the rank at ``layout``
+        (canonical names: see ``megarl.convert.mapping``); None for a name the family lacks."""
+        ...
+
+    def vllm_layer_names(self, arch: ModelArch, prefix: str) -> list[str]:
+        """vLLM's parameters of one layer (NotImplementedError where the sync cannot fill them)."""
+        ...
+
+    def vllm_layer_recipe(self, arch: ModelArch, rest: str, prefix: str, tp_rank: int, tp: int) -> Recipe | None:
+        """The HF pieces of vLLM's layer parameter ``rest`` on vLLM TP rank ``tp_rank`` of ``tp``."""
+        ...
+
+    def layer_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
+        """Element counts of one layer's parameter tensors on one rank, split as megatron-core
+        splits them: (dense, expert). The planner's one parameter count."""
+        ...
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Makes ``family`` the one for its model_type (``megarl.models.families`` registers them all)."""
+    if family.model_type in _FAMILIES:
+        raise ValueError(f"model family {family.model_type!r} is registered twice")
+    _FAMILIES[family.model_type] = family
+    return family
+
+
+def family_names() -> tuple[str, ...]:
+    """The supported model_types, in registration order."""
+    return tuple(_FAMILIES)
+
+
+def family_of(arch: ModelArch | str) -> Family:
+    """The family of an architecture (or of a model_type name)."""
+    name = arch if isinstance(arch, str) else arch.family
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ArchError(f"model family {name!r} is not supported; supported: {', '.join(_FAMILIES)}") from None
+
+
+def required(cfg: dict[str, Any], key: str, source: str) -> Any:
+    """``cfg[key]``, or ArchError naming the field when it is missing or null."""
+    if key not in cfg or cfg[key] is None:
+        raise ArchError(f"{source}: required field {key!r} is missing")
+    return cfg[key]

@@ -1,0 +1,64 @@
+"""Recipes: a parameter shard described as pieces of Hugging Face tensors.
+
+A shard is a list of *pieces* (a range of one HF tensor along one dimension, or zero
+padding), concatenated along that same dimension. Loading a shard is reading its
+pieces; exporting is writing them back; a weight sync intersects two sides' pieces.
+The model families (``megarl.models.families``) say which pieces make up each of
+their tensors, for megatron-core's layout and for the rollout engine's.
+
+These are plain data so that the families (``megarl.models``) and the converter
+(``megarl.convert``, which re-exports them) share one vocabulary without importing
+each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Piece:
+    hf: str | None  # HF tensor name; None for zero padding
+    start: int  # range along the recipe's dim (of the HF tensor; for padding, only the length counts)
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Recipe:
+    dim: int
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]  # shape of the assembled shard
+
+    def hf_names(self) -> list[str]:
+        return sorted({p.hf for p in self.pieces if p.hf is not None})
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The coordinates of one rank's shards."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+    padded_vocab: int = 0
+
+
+def hf_layer(i: int) -> str:
+    """The HF name prefix of transformer layer ``i``."""
+    return f"model.layers.{i}."
+
+
+def chunk(total: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part ``index`` of ``total`` split evenly into ``parts``."""
+    size = total // parts
+    return index * size, (index + 1) * size
+
+
+def whole(name: str, shape: tuple[int, ...]) -> Recipe:
+    """A tensor held whole (replicated over tensor-parallel ranks): one piece, dim 0."""
+    return Recipe(0, (Piece(name, 0, shape[0]),), shape)
