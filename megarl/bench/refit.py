@@ -68,6 +68,7 @@ def check_args(args: RefitArgs):
 def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
     import ray
 
+    from megarl.bench.reference_engine import ReferenceTransferEngine
     from megarl.bench.reference_transfers import full_tensor_seconds, raw_transfer_seconds
     from megarl.cluster.ray_env import ensure_ray
     from megarl.models.bundled import resolve_model_path
@@ -80,7 +81,8 @@ def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
     ensure_ray()
     world = args.train_tp * args.train_pp
     progress(f"starting vLLM (tp={args.rollout_tp}) and the actor ({world} rank(s))...")
-    engine = start_engine(model, tp=args.rollout_tp, dtype=args.dtype, max_model_len=256, max_num_seqs=4)
+    engine = start_engine(model, tp=args.rollout_tp, dtype=args.dtype, max_model_len=256, max_num_seqs=4,
+                          engine_class=ReferenceTransferEngine)
     actor = WorkerGroup("actor", world)
     try:
         actor.run(megatron_model.load, key="actor", source=model, dtype=args.dtype,

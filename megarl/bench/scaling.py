@@ -284,6 +284,7 @@ def _start_vllm(config: dict[str, Any], args: ScalingArgs, dtype: str, progress)
     """One engine for every rank count: the model's config only, weights random (the sync overwrites them)."""
     import tempfile
 
+    from megarl.bench.reference_engine import ReferenceTransferEngine
     from megarl.rollout.remote import start_engine, wait_ready
 
     model_dir = tempfile.mkdtemp(prefix="megarl-scaling-")
@@ -291,6 +292,7 @@ def _start_vllm(config: dict[str, Any], args: ScalingArgs, dtype: str, progress)
         json.dump(config, f)
     progress(f"starting vLLM (tp={args.rollout_tp}) for the weight sync...")
     engine = start_engine(model_dir, tp=args.rollout_tp, dtype=dtype, max_model_len=256, max_num_seqs=4,
+                          engine_class=ReferenceTransferEngine,
                           load_format="dummy")
     try:
         wait_ready([engine])

@@ -11,8 +11,9 @@ from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
 
 def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str | None = None,
                  num_cpus: float = 1, placement_group: Any = None, bundle_index: int = 0,
-                 **engine_kwargs: Any):
-    """Starts a ``VLLMEngine`` in its own Ray actor; returns the handle at once (it loads in the background)."""
+                 engine_class: type[VLLMEngine] = VLLMEngine, **engine_kwargs: Any):
+    """Starts an ``engine_class`` engine in its own Ray actor; returns the handle at once (it loads in
+    the background)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 1}
@@ -23,15 +24,15 @@ def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=bundle_index)
-    return _engine_class().options(**options).remote(model_path, tp=tp, dtype=dtype, **engine_kwargs)
+    return _actor_class(engine_class).options(**options).remote(model_path, tp=tp, dtype=dtype, **engine_kwargs)
 
 
 @functools.cache
-def _engine_class() -> Any:
+def _actor_class(engine_class: type[VLLMEngine]) -> Any:
     import ray
 
     # One thread runs the engine's calls in order; a second answers liveness checks meanwhile.
-    return ray.remote(concurrency_groups={WATCH_GROUP: 1})(VLLMEngine)
+    return ray.remote(concurrency_groups={WATCH_GROUP: 1})(engine_class)
 
 
 def wait_ready(engines: list, timeout_s: float = 600.0) -> None:

@@ -41,6 +41,9 @@ class EngineHealth:
 
 
 class VLLMEngine:
+    # the class vLLM mixes into its workers (a benchmark engine names its own subclass)
+    worker_extension = WORKER_EXTENSION
+
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto"):
@@ -54,7 +57,7 @@ class VLLMEngine:
         self.llm = LLM(
             model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
-            distributed_executor_backend="mp", worker_extension_cls=WORKER_EXTENSION,
+            distributed_executor_backend="mp", worker_extension_cls=self.worker_extension,
             enable_prefix_caching=True,
             # A sample's log-probs after temperature (and top-k/top-p), the distribution it was
             # drawn from; the default, raw logits, ignore the temperature the trainer applies.
@@ -144,15 +147,6 @@ class VLLMEngine:
         # Prefix-cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         return stats
-
-    def receive_full_tensors(self, listing: list[tuple[str, list[int], str]]) -> list[dict[str, Any]]:
-        stats = [json.loads(s) for s in self.llm.collective_rpc("megarl_receive_full", args=(json.dumps(listing),))]
-        self.llm.reset_prefix_cache()
-        return stats
-
-    def receive_raw(self, sources: dict[int, list[tuple[int, int]]]) -> list[dict[str, Any]]:
-        payload = json.dumps({str(rank): pairs for rank, pairs in sources.items()})
-        return [json.loads(s) for s in self.llm.collective_rpc("megarl_receive_raw", args=(payload,))]
 
     # -- memory -------------------------------------------------------------------------------
 
