@@ -58,6 +58,11 @@ def tiny_config(family: str, **overrides):
     elif family == "mixtral":
         common.update(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
         cls = transformers.MixtralConfig
+    elif family == "qwen3":
+        # head_dim 32, not hidden / heads = 16: q_proj is wider than the hidden size (megatron's
+        # kv_channels); 32 is also the smallest head vLLM's CPU attention takes
+        common.update(head_dim=32)
+        cls = transformers.Qwen3Config
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -75,6 +80,11 @@ def build_tiny_hf(family: str, path: Path, seed: int = 0, **overrides) -> Path:
             for name, param in model.named_parameters():
                 if name.endswith("proj.bias"):
                     param.normal_(std=0.1)
+    if family == "qwen3":  # and the QK-norm weights to ones: make each one (and q vs k) matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.normal_(mean=1.0, std=0.3)
     return _save(model, path)
 
 
@@ -104,7 +114,8 @@ def build_tiny_policy(path: Path, smollm2: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {family: build_tiny_hf(family, root / family) for family in ("llama", "mistral", "qwen2", "mixtral")}
+    return {family: build_tiny_hf(family, root / family)
+            for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3")}
 
 
 @pytest.fixture(scope="session")

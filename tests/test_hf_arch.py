@@ -162,6 +162,18 @@ def test_mistral_keeps_sliding_window():
     assert arch_from_hf_config({**LLAMA, "model_type": "mistral", "sliding_window": None}).sliding_window is None
 
 
+def test_qwen3_explicit_head_dim_no_bias_and_no_window():
+    cfg = {**LLAMA, "model_type": "qwen3", "head_dim": 32, "attention_bias": False, "sliding_window": 4096,
+           "use_sliding_window": False, "max_window_layers": 2}
+    arch = arch_from_hf_config(cfg)
+    assert (arch.family, arch.head_dim, arch.qkv_bias, arch.sliding_window) == ("qwen3", 32, False, None)
+    assert arch.head_dim * arch.num_heads != arch.hidden_size  # megatron-core's kv_channels
+    with pytest.raises(ArchError, match=r"use_sliding_window=true \(Qwen3 per-layer windows\) is not supported"):
+        arch_from_hf_config({**cfg, "use_sliding_window": True})
+    with pytest.raises(ArchError, match=r"attention_bias=true .* is not supported"):
+        arch_from_hf_config({**cfg, "attention_bias": True})
+
+
 def test_mixtral_experts():
     cfg = {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
     arch = arch_from_hf_config(cfg)
@@ -247,6 +259,8 @@ def test_mismatches():
     ({"tie_word_embeddings": False}, 73984 + 2 * 6400 + 64),  # 86848
     # qwen2: q/k/v biases 64 + 32 + 32 = 128 per layer
     ({"model_type": "qwen2", "tie_word_embeddings": True}, 80448 + 2 * 128),  # 80704
+    # qwen3: q and k norms of head_dim 16 per layer, no biases
+    ({"model_type": "qwen3", "tie_word_embeddings": True}, 80448 + 2 * 2 * 16),  # 80512
     # mixtral, 4 experts: mlp 4 * 24576 + router 4 * 64 = 98560; per layer 12288 + 98560 + 128 = 110976
     ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
      2 * 110976 + 2 * 6400 + 64),  # 234816
@@ -267,6 +281,22 @@ def test_num_parameters_and_tensor_names_match_transformers(tmp_path, tied):
     assert arch.tie_embeddings is tied
     model = transformers.LlamaForCausalLM(config)
     params = dict(model.named_parameters())  # tied lm_head is listed once, as embed_tokens
+    assert arch.num_parameters() == sum(p.numel() for p in params.values())
+    assert hf_tensor_shapes(arch) == {name: tuple(p.shape) for name, p in params.items()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_num_parameters_and_tensor_names_match_transformers(tmp_path, tied):
+    """QK-norm weights (head_dim each) and an explicit head_dim wider than hidden / heads."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+        intermediate_size=96, vocab_size=100, max_position_embeddings=128, tie_word_embeddings=tied,
+    )
+    config.save_pretrained(tmp_path)
+    arch = arch_from_hf_dir(tmp_path)
+    assert (arch.family, arch.head_dim) == ("qwen3", 32)
+    params = dict(transformers.Qwen3ForCausalLM(config).named_parameters())
     assert arch.num_parameters() == sum(p.numel() for p in params.values())
     assert hf_tensor_shapes(arch) == {name: tuple(p.shape) for name, p in params.items()}
 

@@ -24,6 +24,8 @@ ARCH = ModelArch(
 TIED = dataclasses.replace(ARCH, tie_embeddings=True)
 QWEN = dataclasses.replace(ARCH, family="qwen2", qkv_bias=True)
 MOE = dataclasses.replace(ARCH, family="mixtral", num_experts=4, moe_topk=2)
+# Qwen3: QK-norm, and head_dim 16 where hidden / heads = 8 (q_proj 128 rows for hidden 64)
+QWEN3 = dataclasses.replace(ARCH, family="qwen3", head_dim=16)
 PADDED = 128
 
 L0 = "model.layers.0."
@@ -450,3 +452,73 @@ def test_moe_expert_shards_cover_exactly_once(tp):
         dims = {d for _, _, d in intervals}
         assert dims == ({1} if ".w2." in hf else {0})  # w2 (down) is split by columns
         assert_exact_cover([(a, b) for a, b, _ in intervals], 96, hf)  # ffn 96 along the split dim
+
+
+# --------------------------------------------------------------------------- Qwen3
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(("canonical", "hf"), [
+    ("decoder.layers.1.self_attention.q_layernorm.weight", L1 + "self_attn.q_norm.weight"),
+    ("decoder.layers.0.self_attention.k_layernorm.weight", L0 + "self_attn.k_norm.weight"),
+])
+def test_qwen3_qk_norms_are_whole_on_every_rank(canonical, hf, tp):
+    for r in range(tp):
+        assert recipe(QWEN3, canonical, at(r, tp)) == Recipe(0, (Piece(hf, 0, 16),), (16,))  # head_dim, not hidden
+    with pytest.raises(KeyError, match=canonical.replace(".", r"\.")):
+        recipe(ARCH, canonical, at(0, 1))  # a family without QK-norm has no such parameter
+
+
+def test_qwen3_qkv_and_proj_use_the_explicit_head_dim():
+    rec = recipe(QWEN3, "decoder.layers.0.self_attention.linear_qkv.weight", at(1, 2))
+    # rank 1 of 2: query groups 2 and 3; a group = 2 q heads (32 rows), 1 k head (16), 1 v head (16)
+    assert pieces(rec) == [
+        (L0 + "self_attn.q_proj.weight", 64, 96), (L0 + "self_attn.k_proj.weight", 32, 48),
+        (L0 + "self_attn.v_proj.weight", 32, 48), (L0 + "self_attn.q_proj.weight", 96, 128),
+        (L0 + "self_attn.k_proj.weight", 48, 64), (L0 + "self_attn.v_proj.weight", 48, 64),
+    ]
+    assert rec.shape == (128, 64)
+    rec = recipe(QWEN3, "decoder.layers.0.self_attention.linear_proj.weight", at(1, 2))
+    assert pieces(rec) == [(L0 + "self_attn.o_proj.weight", 64, 128)]  # o_proj is (64, 8 heads * 16)
+    assert rec.shape == (64, 64)
+
+
+def test_hf_tensor_shapes_qwen3():
+    shapes = hf_tensor_shapes(dataclasses.replace(QWEN3, num_layers=1))
+    assert list(shapes.items()) == [  # checkpoint order
+        ("model.embed_tokens.weight", (100, 64)),
+        (L0 + "input_layernorm.weight", (64,)),
+        (L0 + "self_attn.q_proj.weight", (128, 64)),  # 8 heads * 16
+        (L0 + "self_attn.k_proj.weight", (64, 64)),  # 4 kv heads * 16
+        (L0 + "self_attn.v_proj.weight", (64, 64)),
+        (L0 + "self_attn.o_proj.weight", (64, 128)),
+        (L0 + "self_attn.q_norm.weight", (16,)),
+        (L0 + "self_attn.k_norm.weight", (16,)),
+        (L0 + "post_attention_layernorm.weight", (64,)),
+        (L0 + "mlp.gate_proj.weight", (96, 64)),
+        (L0 + "mlp.up_proj.weight", (96, 64)),
+        (L0 + "mlp.down_proj.weight", (64, 96)),
+        ("model.norm.weight", (64,)),
+        ("lm_head.weight", (100, 64)),
+    ]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_qwen3_tp_shards_cover_every_hf_tensor_exactly_once(tp):
+    """The coverage property above, for Qwen3: the replicated QK-norms included."""
+    shapes = hf_tensor_shapes(QWEN3)
+    names = dense_canonical_names(2) + [f"decoder.layers.{i}.self_attention.{x}_layernorm.weight"
+                                        for i in range(2) for x in "qk"]
+    replicated = REPLICATED + ("q_layernorm.weight", "k_layernorm.weight")
+    covered = defaultdict(list)
+    for canonical in names:
+        for r in range(1) if canonical.endswith(replicated) else range(tp):
+            rec = recipe(QWEN3, canonical, at(r, tp))
+            assert sum(p.length for p in rec.pieces) == rec.shape[rec.dim], canonical
+            for p in rec.pieces:
+                if p.hf is not None:
+                    covered[p.hf].append((p.start, p.stop, rec.dim))
+    assert set(covered) == set(shapes)
+    for hf, intervals in covered.items():
+        (dim,) = {d for _, _, d in intervals}
+        assert_exact_cover([(a, b) for a, b, _ in intervals], shapes[hf][dim], f"{hf} at tp={tp}")

@@ -16,7 +16,7 @@ from megarl.convert import jobs
 
 TOL = 1e-3
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-DENSE = ["llama", "mistral", "qwen2"]
+DENSE = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 def _single(results):
@@ -74,6 +74,26 @@ def test_sliding_window_matters(tiny_models, references):
     with torch.no_grad():
         full = model(tokens).logits
     assert (full - expected["mistral"]).abs().max().item() > 1e-2
+
+
+def test_qk_norm_matters(tiny_models, references):
+    """The Qwen3 fixture's QK-norm weights are neither ones nor equal, so the check above covers
+    them: the norms at ones, or q's and k's swapped, give different logits."""
+    import transformers
+
+    tokens, expected = references
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        q, k = attn.q_norm.weight.clone(), attn.k_norm.weight.clone()
+        attn.q_norm.weight.copy_(k)
+        attn.k_norm.weight.copy_(q)
+        swapped = model(tokens).logits
+        attn.q_norm.weight.fill_(1.0)
+        attn.k_norm.weight.fill_(1.0)
+        ones = model(tokens).logits
+    assert (swapped - expected["qwen3"]).abs().max().item() > 1e-2
+    assert (ones - expected["qwen3"]).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1)])

@@ -88,3 +88,21 @@ def test_measured_memory_matches_model_on_two_ranks():
     rows = run_memory_bench([Case("tiny", tp=2, world=2)], tolerance=0.15, progress=lambda *a: None)
     assert {r["component"] for r in rows} == {"weights", "gradients", "optimizer", "activations", "total"}
     assert all(r["ok"] for r in rows), rows
+
+
+def test_qwen3_counts_its_qk_norms_whole_on_every_rank():
+    """The planner's one parameter count (the family's): Qwen3-8B's config.json figures give its
+    published 8,190,735,360 parameters, and each rank holds both QK-norms whole."""
+    from megarl.models.hf_arch import arch_from_hf_config
+    from megarl.plan.memory import layer_tensors
+
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "num_hidden_layers": 36, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False}
+    qwen3 = arch_from_hf_config({**cfg, "model_type": "qwen3"})
+    llama = arch_from_hf_config({**cfg, "model_type": "llama"})
+    assert qwen3.num_parameters() == 8_190_735_360
+    assert qwen3.num_parameters() - llama.num_parameters() == 36 * 2 * 128
+    for tp in (1, 2, 8):
+        dense, expert = layer_tensors(qwen3, tp, 1)
+        assert dense[4:6] == [128, 128] and expert == []  # after the norms, qkv and proj: not split by tp
+        assert sorted(dense) == sorted(layer_tensors(llama, tp, 1)[0] + [128, 128])

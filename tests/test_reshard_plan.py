@@ -14,6 +14,8 @@ from megarl.rollout.vllm_layout import VLLM_LAYOUT, vllm_param_names, vllm_recip
 ARCH = ModelArch(family="llama", vocab_size=250, hidden_size=64, ffn_hidden_size=96, num_layers=4, num_heads=8,
                  num_kv_heads=2, head_dim=8, norm_eps=1e-5, tie_embeddings=False, qkv_bias=True,
                  max_position_embeddings=128, rope=RopeConfig(theta=10000.0))
+# Qwen3: replicated QK-norms on both sides, no biases, head_dim 16 (not hidden / heads = 8)
+QWEN3 = ModelArch(**{**ARCH.to_dict(), "rope": ARCH.rope, "family": "qwen3", "qkv_bias": False, "head_dim": 16})
 
 
 def hf_tensors(arch: ModelArch) -> dict[str, torch.Tensor]:
@@ -31,6 +33,8 @@ def megatron_names(arch: ModelArch, pp_rank: int, pp: int) -> list[str]:
                   p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
         if arch.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
+        if arch.family == "qwen3":
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
     if pp_rank == pp - 1:
         names.append("decoder.final_layernorm.weight")
         if not arch.tie_embeddings:
@@ -75,7 +79,19 @@ def expected_vllm_shard(arch, hf, name, tp_rank, tp):
 @pytest.mark.parametrize("rollout_tp", [1, 2, 4])
 @pytest.mark.parametrize("tied", [False, True])
 def test_plan_delivers_each_shard_exactly(tp, pp, rollout_tp, tied):
-    arch = ModelArch(**{**ARCH.to_dict(), "rope": ARCH.rope, "tie_embeddings": tied})
+    _delivers_each_shard_exactly(ModelArch(**{**ARCH.to_dict(), "rope": ARCH.rope, "tie_embeddings": tied}),
+                                 tp, pp, rollout_tp)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("rollout_tp", [1, 2, 4])
+def test_plan_delivers_each_qwen3_shard_exactly(tp, pp, rollout_tp):
+    assert {"model.layers.3.self_attn.q_norm.weight", "model.layers.3.self_attn.k_norm.weight"} <= set(
+        vllm_param_names(QWEN3))
+    _delivers_each_shard_exactly(QWEN3, tp, pp, rollout_tp)
+
+
+def _delivers_each_shard_exactly(arch, tp, pp, rollout_tp):
     hf = hf_tensors(arch)
     srcs, src_tensors = sources(arch, hf, tp, pp)
     dsts = dests(arch, rollout_tp, first_rank=len(srcs))

@@ -36,15 +36,23 @@ def rollout_model(tmp_path_factory):
                          intermediate_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
+@pytest.fixture(scope="session")
+def rollout_models(rollout_model, tmp_path_factory):
+    """Each family's tiny model, and the prefix of its engines' names in ``engines``."""
+    # Qwen3: QK-norm, and head_dim 32 where hidden 64 / 4 heads = 16 (conftest's tiny Qwen3)
+    qwen3 = build_tiny_hf("qwen3", tmp_path_factory.mktemp("rollout") / "qwen3")
+    return {"llama": (rollout_model, "tiny"), "qwen3": (qwen3, "qwen3")}
+
+
 @pytest.fixture(scope="module")
-def engines(ray_session, rollout_model, smollm2):
+def engines(ray_session, rollout_models, smollm2):
     from megarl.rollout.remote import start_engine, wait_ready
 
     started = {
-        "tiny-tp1": start_engine(str(rollout_model), tp=1, max_model_len=256, max_num_seqs=8),
-        "tiny-tp2": start_engine(str(rollout_model), tp=2, max_model_len=256, max_num_seqs=8),
-        "smollm2-tp1": start_engine(str(smollm2), tp=1, max_model_len=512, max_num_seqs=8),
+        f"{prefix}-tp{tp}": start_engine(str(model), tp=tp, max_model_len=256, max_num_seqs=8)
+        for model, prefix in rollout_models.values() for tp in (1, 2)
     }
+    started["smollm2-tp1"] = start_engine(str(smollm2), tp=1, max_model_len=512, max_num_seqs=8)
     wait_ready(list(started.values()))
     yield started
     import ray
@@ -95,13 +103,15 @@ def _sync_and_verify(actor, engine, tokens, checksums=True):
         sync.close()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("rollout_tp", [1, 2])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_sync_after_a_training_step(tp, pp, rollout_tp, actor4, engines, rollout_model):
-    actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
-               parallel=ParallelConfig(tp=tp, pp=pp, world_size=4))
+def test_sync_after_a_training_step(family, tp, pp, rollout_tp, actor4, engines, rollout_models):
+    # (Qwen3's QK-norms are trained too: at tp=2 the actor's replicas must agree for vLLM's one copy to fit.)
+    model, prefix = rollout_models[family]
+    actor4.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig(tp=tp, pp=pp, world_size=4))
     actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=tp * 10 + pp))
-    report, verified = _sync_and_verify(actor4, engines[f"tiny-tp{rollout_tp}"], random_tokens(batch=2, seq=32))
+    report, verified = _sync_and_verify(actor4, engines[f"{prefix}-tp{rollout_tp}"], random_tokens(batch=2, seq=32))
     assert report.received == report.needed and report.bytes_ratio == 1.0
     assert report.checksum_mismatches == []
     assert report.peak_staging_bytes <= BUCKET

@@ -6,10 +6,11 @@ here and its line below.
 """
 
 from megarl.models.arch import register_family
-from megarl.models.families import llama, mistral, mixtral, qwen2
+from megarl.models.families import llama, mistral, mixtral, qwen2, qwen3
 
 # Registration order is the order "supported: ..." messages list them in.
 register_family(llama.FAMILY)
 register_family(mistral.FAMILY)
 register_family(qwen2.FAMILY)
 register_family(mixtral.FAMILY)
+register_family(qwen3.FAMILY)
