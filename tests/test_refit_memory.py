@@ -102,7 +102,7 @@ class _VLLMLinear(torch.nn.Module):
 
 
 def _rank_model(arch, tp_rank: int) -> torch.nn.Module:
-    from megarl.reshard.vllm_layout import vllm_param_names, vllm_recipe
+    from megarl.rollout.vllm_layout import vllm_param_names, vllm_recipe
 
     root = torch.nn.Module()
     for name in vllm_param_names(arch):

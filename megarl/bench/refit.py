@@ -50,7 +50,7 @@ def check_args(args: RefitArgs):
     from megarl.config.loader import ConfigError
     from megarl.convert.checkpoint import read_model_arch
     from megarl.models.layout import parallel_errors
-    from megarl.reshard.vllm_layout import vllm_padded_vocab
+    from megarl.rollout.vllm_layout import vllm_padded_vocab
 
     arch = read_model_arch(args.model)
     errors = parallel_errors(arch, ParallelConfig(tp=args.train_tp, pp=args.train_pp), "--train")

@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help="an HF config.json or model folder, a megarl checkpoint, a recipe YAML, or a name from "
-                        "model_configs/archs (e.g. llama3.1-70b)")
+                        "megarl/plan/arch_configs (e.g. llama3.1-70b)")
     p.add_argument("--gpus", type=int, help="GPUs to plan for (a recipe without it: check its own layouts)")
     p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS), help="GPU type (default h100-80gb)")
     p.add_argument("--algo", choices=["grpo", "ppo"], help="grpo: actor+reference; ppo: +critic+reward model "

@@ -44,7 +44,7 @@ def role_ranks(cfg: RunConfig) -> dict[str, int]:
 def placement_errors(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
     """Colocation that cannot work: unknown hosts, chains, more guest ranks than host bundles."""
     errors = []
-    gpu = current_platform().is_gpu if gpu is None else gpu
+    gpu = current_platform().gpus_per_rank > 0 if gpu is None else gpu
     if gpu and cfg.rollout.colocate_with is not None and cfg.rollout.tp > 1:
         # an engine's TP workers live in one Ray actor, and a fractional share of a bundle
         # exposes a single device to it
@@ -98,7 +98,7 @@ def place(cfg: RunConfig) -> dict[str, Slot]:
     import ray
     from ray.util.placement_group import placement_group
 
-    bundles, asks = bundle_plan(cfg, current_platform().is_gpu)
+    bundles, asks = bundle_plan(cfg, current_platform().gpus_per_rank > 0)
     host_of = role_hosts(cfg)
     groups = {host: placement_group(b, strategy="PACK", name=f"megarl-{cfg.name}-{host}")
               for host, b in bundles.items()}

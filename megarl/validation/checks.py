@@ -125,9 +125,9 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
 
     from megarl.algorithms.registry import algorithm_errors
     from megarl.cluster.placement import placement_errors
-    from megarl.reshard.vllm_layout import vllm_padded_vocab
     from megarl.rewards.extract import resolve_extractor
     from megarl.rewards.remote import url_problem
+    from megarl.rollout.vllm_layout import vllm_padded_vocab
     from megarl.trainer.rewards import REWARD_KINDS
 
     algo, rollout, data = cfg.algorithm, cfg.rollout, cfg.data
