@@ -44,3 +44,26 @@ def test_training_step_matches_transformers_and_is_layout_independent(pools, tin
         for key in ("loss", "grad_norm"):
             for step, (a, b) in enumerate(zip(base[key], other[key], strict=True)):
                 assert abs(a - b) <= 1e-5, f"{par}: step {step} {key} {b} != {a} at tp=1"
+
+
+# Qwen3: Qwen3's training step is transformers' at every layout, QK-norm gradients included.
+#
+# Under tensor parallelism each rank normalises only its own heads with the whole (replicated)
+# QK-norm weights, so each rank's gradient of them is partial; megatron-core sums them over the
+# tensor-parallel ranks when its config says ``qk_layernorm`` (the Qwen3 family sets it). Without
+# the sum, the step-0 gradient norm is not transformers' and the replicas drift apart.
+def test_qwen3_training_step_matches_transformers_and_is_layout_independent(pools, tiny_models):
+    tokens = random_tokens(batch=4, seq=33, seed=3)
+    hf_loss, hf_norm = _hf_loss_and_grad_norm(tiny_models["qwen3"], tokens)
+    for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, world_size=4),
+                ParallelConfig(tp=2, sequence_parallel=True, world_size=4), ParallelConfig(tp=2, pp=2, world_size=4)):
+        run = _run(pools, tiny_models["qwen3"], par, tokens)
+        # step 0 is before any update: transformers' loss and gradient norm
+        assert abs(run["loss"][0] - hf_loss) <= 1e-5, (par, run["loss"][0], hf_loss)
+        assert abs(run["grad_norm"][0] - hf_norm) <= 1e-5 * hf_norm, (par, run["grad_norm"][0], hf_norm)
+        if par.tp == 1:
+            base = run
+            assert base["loss"][2] < base["loss"][0] - 0.1, f"three Adam steps should lower the loss: {base}"
+        for key in ("loss", "grad_norm"):
+            for step, (a, b) in enumerate(zip(base[key], run[key], strict=True)):
+                assert abs(a - b) <= 1e-5, f"{par}: step {step} {key} {b} != {a} at tp=1"
