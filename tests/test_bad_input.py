@@ -93,6 +93,15 @@ def remote(**term) -> Callable[[Paths], str]:
     return lambda p: p.recipe({"rewards": [{"kind": "remote", **term}]})
 
 
+# a valid held-out set (reasoning-gym generates it offline), which the eval cases change
+EVAL_SET = {"name": "sums", "source": "reasoning_gym:chain_sum", "size": 8, "max_prompt_len": 64}
+
+
+def evals(*sets: dict, **section) -> Callable[[Paths], str]:
+    """The base recipe with an ``eval`` section: each of ``sets`` changes EVAL_SET."""
+    return lambda p: p.recipe({"eval": {"sets": [{**EVAL_SET, **s} for s in sets], **section}})
+
+
 def raw(text: str | bytes) -> Callable[[Paths], str | bytes]:
     """A recipe given as text; '{model}', '{data}' and '{out}' are filled in."""
     def make(p: Paths) -> str | bytes:
@@ -249,6 +258,32 @@ CASES = [
     Case("output-dir-under-file", "late", "which is a file",
          recipe=lambda p: p.recipe({"output_dir": str(p.data / "run")})),
     Case("model-path-missing", "late", "actor.model.path: ", args=("actor.model.path=/no/such/model",)),
+    # ---------------------------------------------------------------- held-out evaluation
+    Case("eval-every-negative", "range", "eval.every=-1 must be >= 0", recipe=evals({}, every=-1)),
+    Case("eval-samples-zero", "range", "eval.sets[0].samples=0 must be >= 1", recipe=evals({"samples": 0})),
+    Case("eval-size-zero", "range", "eval.sets[0].size=0 must be >= 1", recipe=evals({"size": 0})),
+    Case("eval-max-tokens-zero", "range", "eval.sets[0].max_tokens=0 must be >= 1", recipe=evals({"max_tokens": 0})),
+    Case("eval-temperature-negative", "range", "eval.sets[0].temperature=-1.0 must be >= 0",
+         recipe=evals({"temperature": -1})),
+    Case("eval-samples-greedy", "range", "eval.sets[1].samples=4 needs eval.sets[1].temperature > 0",
+         recipe=evals({}, {"name": "sampled", "samples": 4})),
+    Case("eval-name-missing", "range", "eval.sets[0].name is not set", recipe=evals({"name": ""})),
+    Case("eval-name-slash", "range", "eval.sets[0].name='a/b' must not contain '/'", recipe=evals({"name": "a/b"})),
+    Case("eval-name-twice", "range", "eval.sets[1].name='sums' is also eval.sets[0].name", recipe=evals({}, {})),
+    Case("eval-source-missing", "range", "eval.sets[0].source is not set", recipe=evals({"source": ""})),
+    Case("eval-unknown-key", "yaml", "unknown key 'eval.sets[0].sample' (did you mean 'eval.sets[0].samples'?)",
+         recipe=evals({"sample": 4})),
+    Case("eval-context", "late", "eval.sets[0]: max_prompt_len + max_tokens = 320 exceeds rollout.max_model_len=256",
+         recipe=evals({"max_prompt_len": 256})),
+    Case("eval-task-unknown", "late", "eval.sets[0].source: reasoning-gym has no task 'no_such_task'",
+         recipe=evals({"source": "reasoning_gym:no_such_task"})),
+    Case("eval-task-config", "late", "eval.sets[0].task_config: reasoning-gym task 'chain_sum' refuses it",
+         recipe=evals({"task_config": {"no_such_option": 3}})),
+    Case("eval-file-missing", "late", "eval.sets[0].source: prompt file /no/such/eval.jsonl does not exist",
+         recipe=evals({"source": "/no/such/eval.jsonl"})),
+    Case("eval-seeds-overlap-training", "late", "eval.sets[0].seed=100: its entries (reasoning-gym seeds 100..107) "
+         "overlap the training data's (data.seed=0, data.size=1000)",
+         args=("data.source=reasoning_gym:chain_sum",), recipe=evals({"seed": 100})),
     # ---------------------------------------------------------------- tracebacks today
     Case("micro-batch-zero", "traceback", "actor.micro_batch_size=0 must be >= 1", args=("actor.micro_batch_size=0",)),
     Case("world-size-zero", "traceback", "actor.parallel.world_size=0 must be >= 1",
@@ -417,6 +452,17 @@ def test_a_valid_base_recipe_passes(paths: Paths, capsys: pytest.CaptureFixture)
     recipe.write_text(BASE_YAML.replace("{model}", str(paths.model)).replace("{data}", str(paths.data))
                       .replace("{out}", str(paths.out)))
     assert main(["train", str(recipe), "--check"]) == 0, capsys.readouterr().err
+
+
+def test_a_valid_eval_section_passes(paths: Paths, capsys: pytest.CaptureFixture):
+    """A greedy and a sampled set over the training task, past its seeds, are accepted."""
+    from megarl.cli.main import main
+
+    recipe = paths.tmp / "recipe.yaml"
+    recipe.write_text(evals({}, {"name": "sampled", "samples": 4, "temperature": 1.0, "max_tokens": 32},
+                            every=2)(paths))
+    assert main(["train", str(recipe), "data.source=reasoning_gym:chain_sum", "--check"]) == 0, \
+        capsys.readouterr().err
 
 
 def test_modest_anchors_and_merge_keys_still_load(paths: Paths):

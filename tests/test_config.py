@@ -7,9 +7,12 @@ import pytest
 
 from megarl.config.loader import ConfigError, load_config, parse_override
 from megarl.config.schema import (
+    EvalConfig,
+    EvalSetConfig,
     ModelConfig,
     ParallelConfig,
     PrecisionConfig,
+    RewardTermConfig,
     RoleConfig,
     RunConfig,
 )
@@ -539,6 +542,37 @@ def test_validate_through_the_loader(llama_dir, tmp_path):
     recipe.write_text(f"actor:\n  model:\n    path: {llama_dir}\n")
     cfg = load_config(RunConfig, recipe, ["actor.parallel.tp=4", "actor.parallel.world_size=4"])
     assert "actor.parallel.tp=4 does not divide the query groups" in invalid(cfg)
+
+
+def test_eval_sets_load_from_a_yaml_list(tmp_path):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("eval:\n  every: 5\n  sets:\n"
+                      "    - {name: sums, source: 'reasoning_gym:chain_sum', task_config: {min_terms: 2}}\n"
+                      "    - {name: file, source: eval.jsonl, samples: 4, temperature: 1.0}\n")
+    cfg = load_config(RunConfig, recipe, ["eval.before_training=false"])
+    first, second = cfg.eval.sets
+    assert (cfg.eval.every, cfg.eval.before_training) == (5, False)
+    assert (first.name, first.task_config, first.samples, first.temperature) == ("sums", {"min_terms": 2}, 1, 0.0)
+    assert (second.source, second.samples, second.temperature, second.max_tokens) == ("eval.jsonl", 4, 1.0, None)
+    assert first.seed > RunConfig().data.size  # the default eval seed is past the default training data's
+    data = first.data_config()  # loaded by the training data's loaders
+    assert (data.source, data.task_config, data.size, data.seed) == (first.source, {"min_terms": 2}, 256, first.seed)
+    assert RunConfig().eval.sets == []  # no sets: no evaluation
+    with pytest.raises(ConfigError, match=r"eval.sets\[1\].samples: expected an integer"):
+        load_config(RunConfig, recipe, ["eval.sets=[{name: a}, {name: b, samples: many}]"])
+
+
+def test_eval_needs_a_reward_that_is_not_the_reward_model():
+    from megarl.validation.eval_checks import eval_errors
+
+    cfg = RunConfig(rewards=[RewardTermConfig(kind="model")],
+                    eval=EvalConfig(sets=[EvalSetConfig(name="sums", source="reasoning_gym:chain_sum", size=4,
+                                                        max_prompt_len=64, seed=5000)]))
+    assert eval_errors(cfg) == ["eval.sets: evaluation scores with the rule and remote reward terms, and rewards "
+                                "has only a reward model (which scores training batches only); add a rule term "
+                                "or remove eval.sets"]
+    cfg.rewards.append(RewardTermConfig(kind="reasoning_gym"))
+    assert eval_errors(cfg) == []
 
 
 # --------------------------------------------------------------------------- padded_vocab_size

@@ -160,6 +160,47 @@ class DataConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One held-out prompt set (``megarl.trainer.evaluation``): its prompts read as ``data`` reads
+    them, its samples scored by the run's rule and remote reward terms."""
+
+    name: str = ""  # the metrics' prefix: eval/<name>/accuracy, ...
+    source: str = ""  # as data.source: "reasoning_gym:<task>" or a JSONL / Parquet file
+    task_config: dict = field(default_factory=dict)  # reasoning-gym dataset options
+    size: int = 256  # reasoning-gym: prompts generated (a file: all its rows)
+    prompt_key: str = "prompt"  # JSONL / Parquet: the field holding the prompt
+    instruction: str = ""  # reasoning-gym: template with {question}; empty: the package default
+    system_prompt: str | None = None
+    max_prompt_len: int = 512  # a longer prompt is refused at start-up, not cut
+    # reasoning-gym draws entry i from random.Random(seed + i), so the training data (data.seed 0 by
+    # default) covers seeds [data.seed, data.seed + data.size); 100_000 starts past any training set of
+    # the usual size. Validation refuses an overlap with data of the same task and options.
+    seed: int = 100_000
+    samples: int = 1  # k: samples per prompt (mean@k, pass@k)
+    temperature: float = 0.0  # 0: greedy, for samples == 1; samples > 1 needs a temperature > 0
+    max_tokens: int | None = None  # response length; None: rollout.max_tokens
+
+    def data_config(self) -> DataConfig:
+        """The set as a ``data`` section, so it is loaded by the training data's own loaders."""
+        return DataConfig(source=self.source, task_config=dict(self.task_config), size=self.size,
+                          prompt_key=self.prompt_key, instruction=self.instruction,
+                          system_prompt=self.system_prompt, prompts_per_step=1,
+                          max_prompt_len=self.max_prompt_len, seed=self.seed)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: before training, every ``every`` steps and after the last step."""
+
+    every: int = 0  # evaluate every N trained steps; 0: only before and after training
+    before_training: bool = True  # evaluate the initial weights (logged as step 0)
+    # A sample is correct when its total reward is above this: a rule reward in [0, 1] (1 for a
+    # right answer, 0 or partial credit otherwise) counts only mostly-right answers.
+    correct_threshold: float = 0.5
+    sets: list[EvalSetConfig] = field(default_factory=list)  # empty: no evaluation
+
+
+@dataclass
 class RewardTermConfig:
     kind: str = "reasoning_gym"  # reasoning_gym | math_verify | format | remote | model
     weight: float = 1.0
@@ -253,6 +294,7 @@ class RunConfig:
     rewards: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (off without sets)
 
     def __post_init__(self) -> None:
         # A critic without weights of its own starts from the reward model's, as the seeds

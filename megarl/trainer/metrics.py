@@ -54,8 +54,9 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(record, step=step)
+        keys = [*CONSOLE_KEYS, *eval_accuracy_keys([record])]  # an evaluated step shows each set's accuracy
         shown = "  ".join(f"{k.split('/')[-1] if k.startswith('time') else k}={_short(record[k])}"
-                          for k in CONSOLE_KEYS if k in record)
+                          for k in keys if k in record)
         print(f"step {step:>4}  {shown}", flush=True)
 
     def history(self) -> list[dict[str, Any]]:
@@ -86,8 +87,13 @@ PLOTS = {
 }
 
 
+def eval_accuracy_keys(history: list[dict[str, Any]]) -> list[str]:
+    """The ``eval/<set>/accuracy`` keys present in ``history``, sorted."""
+    return sorted({k for r in history for k in r if k.startswith("eval/") and k.endswith("/accuracy")})
+
+
 def write_plots(history: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """PNG curves of reward, KL and response length over steps."""
+    """PNG curves of reward, KL and response length over steps, and of each eval set's accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,6 +112,22 @@ def write_plots(history: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    if keys := eval_accuracy_keys(history):  # one line per set, on the steps it was evaluated at
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in keys:
+            points = [(r["step"], r[key]) for r in history if key in r]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
+                    label=key.split("/")[1])
+        ax.set_xlabel("step")
+        ax.set_ylabel("eval accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / "eval_accuracy.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)

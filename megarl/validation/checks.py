@@ -9,6 +9,7 @@ from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, PrecisionConf
 from megarl.models.hf_arch import ArchError, ModelArch
 from megarl.models.layout import parallel_errors
 from megarl.platform import Platform, current_platform
+from megarl.validation.eval_checks import eval_errors, eval_ranges, eval_setting_errors
 from megarl.validation.memory import memory_saver_errors
 
 
@@ -107,7 +108,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += rl_errors(cfg, archs["actor"])
         errors += rollout_fit_errors(cfg, archs["actor"], platform)
         if not errors:  # reads the whole dataset: only once the rest is known to be sound
-            errors += data_errors(cfg)
+            errors += data_errors(cfg) + eval_errors(cfg)
     _refuse(errors)
     return archs
 
@@ -283,7 +284,9 @@ def range_errors(cfg: RunConfig) -> list[str]:
             (f"rewards[{i}].max_retries", term.max_retries, "[0, inf)"),
             (f"rewards[{i}].max_concurrency", term.max_concurrency, "[1, inf)"),
         ]
+    checks += eval_ranges(cfg)
     errors = [problem for field, value, interval in checks if (problem := out_of_range(field, value, interval))]
+    errors += eval_setting_errors(cfg)
     if data.source.startswith("reasoning_gym:") and data.size >= 1 and data.prompts_per_step > data.size:
         errors.append(f"data.prompts_per_step={data.prompts_per_step} is more than the data.size={data.size} "
                       "prompts generated")
