@@ -106,3 +106,17 @@ def test_qwen3_counts_its_qk_norms_whole_on_every_rank():
         dense, expert = layer_tensors(qwen3, tp, 1)
         assert dense[4:6] == [128, 128] and expert == []  # after the norms, qkv and proj: not split by tp
         assert sorted(dense) == sorted(layer_tensors(llama, tp, 1)[0] + [128, 128])
+
+
+def test_rollout_ahead_overlaps_generation_with_training():
+    """trainer.max_staleness > 0, disaggregated: the step is max(generation, inference + training)
+    + weight sync, by hand from the lockstep plan's own phase times; colocated plans stay lockstep."""
+    arch, gpu = load_arch("llama3.1-8b"), gpu_spec("h100-80gb")
+    lockstep = plan(arch, 16, PlanInputs(gpu), "disaggregated")
+    ahead = plan(arch, 16, PlanInputs(gpu, max_staleness=1), "disaggregated")
+    t = ahead.times
+    assert ahead.overlapped and not lockstep.overlapped
+    assert ahead.step_s == pytest.approx(max(t["generation"], t["inference"] + t["training"]) + t["weight sync"])
+    assert ahead.step_s < sum(t.values())
+    assert ahead.step_s <= lockstep.step_s  # the search may pick another split, never a slower one
+    assert not plan(arch, 16, PlanInputs(gpu, max_staleness=1), "colocated").overlapped

@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--minibatches", type=int, default=1, help="optimizer steps per step (default 1)")
     w.add_argument("--micro-batch", type=int, default=1, help="training micro-batch, sequences (default 1)")
     w.add_argument("--max-num-seqs", type=int, default=256, help="vLLM concurrent sequences per engine (256)")
+    w.add_argument("--max-staleness", type=int, default=None,
+                   help="rollout ahead of training by this many weight versions (trainer.max_staleness; default 0, "
+                   "a recipe's own): disaggregated, generation then overlaps scoring and training")
     h = p.add_argument_group("hardware and efficiency overrides (defaults: the --gpu datasheet)")
     for flag, dest in (("--gpu-memory-gib", "memory_gib"), ("--gpu-tflops", "bf16_tflops"),
                        ("--hbm-gbps", "hbm_gbps"), ("--nvlink-gbps", "nvlink_gbps"),
@@ -61,7 +64,8 @@ _RANGES = (
     ("--prompts", "prompts", "[1, inf)"), ("--n", "n", "[1, inf)"), ("--prompt-len", "prompt_len", "[1, inf)"),
     ("--response-len", "response_len", "[1, inf)"), ("--mean-response-len", "mean_response_len", "(0, inf)"),
     ("--minibatches", "minibatches", "[1, inf)"), ("--micro-batch", "micro_batch", "[1, inf)"),
-    ("--max-num-seqs", "max_num_seqs", "[1, inf)"), ("--gpus-per-node", "gpus_per_node", "[1, inf)"),
+    ("--max-num-seqs", "max_num_seqs", "[1, inf)"), ("--max-staleness", "max_staleness", "[0, inf)"),
+    ("--gpus-per-node", "gpus_per_node", "[1, inf)"),
     ("--gpu-memory-gib", "memory_gib", "(0, inf)"), ("--gpu-tflops", "bf16_tflops", "(0, inf)"),
     ("--hbm-gbps", "hbm_gbps", "(0, inf)"), ("--nvlink-gbps", "nvlink_gbps", "(0, inf)"),
     ("--interconnect-gbps", "interconnect_gbps", "(0, inf)"), ("--pcie-gbps", "pcie_gbps", "(0, inf)"),
@@ -135,7 +139,10 @@ def main(args: argparse.Namespace) -> int:
                          minibatches=args.minibatches)
         if not args.gpus or args.gpus < 1:
             raise ConfigError("--gpus N (>= 1) is needed to plan a model")
-        inputs = PlanInputs(gpu, rl, eff, micro_batch=args.micro_batch, max_num_seqs=args.max_num_seqs)
+        staleness = args.max_staleness if args.max_staleness is not None else (
+            recipe.trainer.max_staleness if recipe is not None else 0)
+        inputs = PlanInputs(gpu, rl, eff, micro_batch=args.micro_batch, max_num_seqs=args.max_num_seqs,
+                            max_staleness=staleness)
         result = plan(arch, args.gpus, inputs, args.placement)
     except NoFit as e:
         print(f"megarl plan: {e}", file=sys.stderr)

@@ -276,6 +276,10 @@ class TrainerConfig:
     # How often the driver checks that every rank and vLLM process is alive (megarl.workers.watchdog);
     # a death ends the run within a few of these, whatever it was waiting on.
     watchdog_interval_s: float = 2.0
+    # Rollout runs ahead of training by at most this many weight versions: batch s is generated
+    # by the weights after update s - 1 - k (megarl.trainer.rollout_queue). 0: generate, then
+    # train, in lockstep. Needs rollout on its own resources (rollout.colocate_with unset).
+    max_staleness: int = 0
 
 
 @dataclass

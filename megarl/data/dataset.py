@@ -61,6 +61,10 @@ class PromptDataset(Generic[T]):
         return self._order
 
     def next_batch(self) -> list[T]:
+        return [self.items[i] for i in self.next_ids()]
+
+    def next_ids(self) -> list[int]:
+        """The next batch as indices into ``items``: a prompt's id, for accounting across resumes."""
         remaining = len(self.items) - self.position
         if remaining == 0 or (self.drop_last and remaining < self.batch_size):
             self.epoch += 1
@@ -69,7 +73,7 @@ class PromptDataset(Generic[T]):
         indices = order[self.position:self.position + self.batch_size]
         self.position += len(indices)
         self.step += 1
-        return [self.items[i] for i in indices]
+        return list(indices)
 
     def __iter__(self) -> Iterator[list[T]]:
         while True:

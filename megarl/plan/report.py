@@ -35,7 +35,11 @@ def format_plan(plan: Plan, gpu: GpuSpec, eff: Efficiency, rl: RLShape, title: s
                   f"response up to {rl.response_len} (mean {rl.mean_response:.0f}) tokens"]
     for phase, t in plan.times.items():
         lines.append(f"  {phase:<13} {t:9.1f}")
-    lines.append(f"  {'total':<13} {plan.step_s:9.1f}")
+    if plan.overlapped:
+        lines.append(f"  {'total':<13} {plan.step_s:9.1f}  (rollout ahead: max(generation, inference + training) "
+                     f"+ weight sync; lockstep {sum(plan.times.values()):.1f})")
+    else:
+        lines.append(f"  {'total':<13} {plan.step_s:9.1f}")
     lines += ["", "hardware and efficiency figures used (override with the flags shown)"]
     flags = {"memory_gib": "--gpu-memory-gib", "bf16_tflops": "--gpu-tflops", "hbm_gbps": "--hbm-gbps",
              "nvlink_gbps": "--nvlink-gbps", "interconnect_gbps": "--interconnect-gbps", "pcie_gbps": "--pcie-gbps",

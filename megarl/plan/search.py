@@ -59,6 +59,9 @@ class PlanInputs:
     max_num_seqs: int = 256
     dtype: str = "bfloat16"
     attention: str = "flash"
+    # rollout ahead of training (trainer.max_staleness): disaggregated, a step's generation of the
+    # next batch overlaps its scoring and training; colocated stays synchronous
+    max_staleness: int = 0
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Plan:
     times: dict[str, float]
     capacity: float
     notes: list[str] = field(default_factory=list)
+    overlapped: bool = False  # rollout runs ahead (max_staleness > 0, disaggregated)
 
     @property
     def peak(self) -> float:
@@ -110,7 +114,12 @@ class Plan:
 
     @property
     def step_s(self) -> float:
-        return sum(self.times.values())
+        """Synchronous: the phases one after the other. Overlapped: the engines generate the next
+        batch while this one is scored and trained, and both wait for the weight sync."""
+        t = self.times
+        if not self.overlapped:
+            return sum(t.values())
+        return max(t["generation"], t["inference"] + t["training"]) + t["weight sync"]
 
 
 class NoFit(Exception):
@@ -420,7 +429,8 @@ def plan_disaggregated(arch: ModelArch, n: int, inp: PlanInputs) -> Plan:
     per_gpu[f"rollout ({picked['rollout'][0]} GPUs)"] = rollout.memory.add(_overhead(inp.eff))
     used = sum(g for g, _ in picked.values())
     notes = [f"{n - used} of {n} GPUs unused"] if used < n else []
-    return Plan("disaggregated", used, roles, rollout, per_gpu, _disagg_times(picked, arch, inp), cap, notes)
+    return Plan("disaggregated", used, roles, rollout, per_gpu, _disagg_times(picked, arch, inp), cap, notes,
+                overlapped=inp.max_staleness > 0)
 
 
 def _disagg_times(picked: dict, arch: ModelArch, inp: PlanInputs) -> dict[str, float]:
@@ -436,7 +446,10 @@ def _disagg_times(picked: dict, arch: ModelArch, inp: PlanInputs) -> dict[str, f
 
 
 def _disagg_time(picked: dict, arch: ModelArch, inp: PlanInputs) -> float:
-    return sum(_disagg_times(picked, arch, inp).values())
+    times = _disagg_times(picked, arch, inp)
+    if inp.max_staleness > 0:  # the split that balances generation against training wins
+        return max(times["generation"], times["inference"] + times["training"]) + times["weight sync"]
+    return sum(times.values())
 
 
 def _over(candidate: Plan) -> str:

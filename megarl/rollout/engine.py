@@ -27,11 +27,15 @@ class RolloutEngine(Protocol):
     def kill_processes(self) -> int:
         """SIGKILLs the backend's processes (teardown after a failure); how many it killed."""
 
+    def busy_seconds(self) -> float:
+        """Seconds spent generating since start (answers while generate blocks)."""
+
     # -- generation and scoring ---------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
         """``sampling.n`` samples per prompt: response ids, per-token log-probs after the
-        sampling transforms (temperature first), finish reason."""
+        sampling transforms (temperature first), finish reason. Refuses when
+        ``sampling.weight_version`` is set and is not the engine's."""
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""
@@ -55,6 +59,9 @@ class RolloutEngine(Protocol):
 
     def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
         """Receives this engine's shards in place; per worker, bytes, seconds (and checksums)."""
+
+    def set_weight_version(self, version: int) -> None:
+        """Which policy version the weights just received are."""
 
     # -- memory (colocated placement: megarl.trainer.colocation) ---------------------------------
 

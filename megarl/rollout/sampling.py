@@ -15,6 +15,9 @@ class SamplingConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     logprobs: bool = True  # return the sampled tokens' log-probabilities
+    # The policy weight version the caller records for these samples: an engine holding another
+    # version refuses to generate (None: no check, for callers that do not track versions).
+    weight_version: int | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,18 @@ class VLLMEngine:
         # vLLM's engine core and its workers, now that they are up: a death of any of them would
         # leave a call on this engine waiting forever.
         self._processes = process_watch.descendants("VLLM::")
+        self.weight_version = 0  # the initial weights; each weight sync's caller sets the next
+        self._generate_seconds = 0.0
+
+    def set_weight_version(self, version: int) -> None:
+        """Records which policy version the weights just received are (a generation request
+        names the version it expects)."""
+        self.weight_version = version
+
+    @_watch_method
+    def busy_seconds(self) -> float:
+        """Seconds spent in generate() since start: how busy rollout is, for the step metrics."""
+        return self._generate_seconds
 
     def ready(self) -> bool:
         return True
@@ -92,6 +105,10 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if sampling.weight_version is not None and sampling.weight_version != self.weight_version:
+            raise ValueError(f"generation asked for policy version {sampling.weight_version}, but this engine "
+                             f"holds version {self.weight_version}: a weight sync was missed or repeated")
+        started = time.perf_counter()
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed,
@@ -109,6 +126,7 @@ class VLLMEngine:
                 reason = "stop" if completion.finish_reason == "stop" else "length"
                 samples.append(RolloutSample(list(prompt), ids, logprobs, reason))
             results.append(samples)
+        self._generate_seconds += time.perf_counter() - started
         return results
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -1,15 +1,17 @@
 """Run checkpoints: every trained role plus the trainer's state, complete or absent.
 
 Layout: ``<run>/checkpoints/step_000004/{actor,critic}/`` (megatron dist checkpoints,
-each exportable with ``megarl convert mcore-to-hf``) and ``trainer_state.json``
-(step, data position). The step directory is written under a temporary name and
-renamed when every rank has finished; ``latest`` names the newest complete one,
-so a run killed mid-save resumes from the previous checkpoint.
+each exportable with ``megarl convert mcore-to-hf``), ``trainer_state.json`` (step, data
+position, rollout queue) and ``rollout_buffer.safetensors`` (batches generated ahead and not
+yet trained on). The step directory is written under a temporary name and renamed when
+every rank has finished; ``latest`` names the newest complete one, so a run killed mid-save
+resumes from the previous checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +31,18 @@ class CheckpointManager:
             raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
         return path
 
-    def save(self, step: int, roles: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
-        """Writes every role's checkpoint and the trainer state as one step directory."""
+    def save(self, step: int, roles: dict[str, Any], trainer_state: dict[str, Any],
+             write_more: Callable[[Path], None] | None = None) -> Path:
+        """Writes every role's checkpoint and the trainer state as one step directory
+        (``write_more`` adds files of its own to it, before it is complete)."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:06d}"
         with atomic_dir(final, overwrite=True) as tmp:
             for name, role in roles.items():
                 (tmp / name).mkdir()
                 role.save(str(tmp / name))
+            if write_more is not None:
+                write_more(tmp)
             (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
         write_text_atomic(self.root / "latest", final.name)
         return final

@@ -1,7 +1,8 @@
 """The RL loop: generate, score, estimate advantages, update, sync. One screen.
 
 Colocated, the device changes hands at the ``device.*`` steps (``megarl.trainer.colocation``);
-disaggregated, those steps do nothing.
+disaggregated, those steps do nothing. With ``trainer.max_staleness: k > 0`` the queue has
+the engines generate the next k batches while this one trains (``megarl.trainer.rollout_queue``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from megarl.algorithms import get_algorithm
 from megarl.algorithms.base import ScoredBatch
 from megarl.config.schema import RunConfig
 from megarl.trainer.run import Run
-from megarl.trainer.step_metrics import step_metrics, timing
+from megarl.trainer.step_metrics import rollout_metrics, step_metrics, timing
 from megarl.trainer.update_batches import policy_batch, value_batch
 from megarl.workers.rl_fns import train_policy, train_value
 
@@ -21,7 +22,7 @@ def train(cfg: RunConfig) -> list[dict]:
     with Run(cfg).build() as run:  # on the way out, every process of the run is stopped
         start = run.resume()
         log = run.logger(resume_step=start)
-        rollout, device = run.rollout, run.colocation
+        rollout, queue, device = run.rollout, run.queue, run.colocation
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
         algorithm = get_algorithm(cfg.algorithm.name)
         reward_model = run.roles.get("reward_model") if rollout.needs_reward_model else None  # else it seeds the critic
@@ -29,7 +30,7 @@ def train(cfg: RunConfig) -> list[dict]:
             began = time.perf_counter()
             with run.phase("rollout"):
                 device.to_rollout()  # the Megatron roles leave the device to vLLM
-                samples = rollout.generate(run.step)
+                samples = queue.take(run.step)  # and batches up to step + k are on their way
                 device.to_training()  # vLLM sleeps, the roles come back
             batch = samples.batch
             with run.phase("reward"):
@@ -50,11 +51,16 @@ def train(cfg: RunConfig) -> list[dict]:
             if critic:
                 with run.phase("critic_update"):
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]
+            with run.phase("rollout_wait"):  # the engines finish what they generate ahead
+                queue.drain()
             with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off
                 verified = run.sync_weights(batch)
+                generating = run.generation_seconds()  # the engines' time in generate() this step
             metrics |= step_metrics(batch, scores, parts, old, ref, est, cfg.algorithm) | verified
             offloaded = device.take_offloaded_bytes() if device.active else None
-            metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded)
+            metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded, generating,
+                              len(run.engines))
+            metrics |= rollout_metrics(samples, run.step)
             log.log(run.step, metrics)
             if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
                 run.save()

@@ -53,7 +53,7 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(record, step=step)
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         keys = [*CONSOLE_KEYS, *eval_accuracy_keys([record])]  # an evaluated step shows each set's accuracy
         shown = "  ".join(f"{k.split('/')[-1] if k.startswith('time') else k}={_short(record[k])}"
                           for k in keys if k in record)

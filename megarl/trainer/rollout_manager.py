@@ -32,10 +32,25 @@ _SEED_STRIDE = 100_003
 
 @dataclass
 class Rollout:
-    """One step's samples: the batch the roles score and train on, and the texts rewards read."""
+    """One batch of samples: what the roles score and train on, the texts rewards read, and
+    where it came from (which prompts, which weights)."""
 
     batch: RolloutBatch
     reward_inputs: list[RewardInput]
+    index: int  # the batch's number in the run: step ``index`` trains on it
+    version: int  # the policy weight version that generated every token (0: the initial weights)
+    prompt_ids: list[int]  # the prompts' indices in the dataset, for accounting across resumes
+    groups: list[list[RolloutSample]]  # the engines' samples, as a checkpoint stores them
+
+
+@dataclass
+class PendingRollout:
+    """A batch the engines are generating: the calls to wait on, and what to assemble it with."""
+
+    index: int
+    version: int
+    prompt_ids: list[int]
+    calls: list  # Ray object refs, one per engine, in engine order
 
 
 class RolloutManager:
@@ -49,16 +64,36 @@ class RolloutManager:
     def needs_reward_model(self) -> bool:
         return self.reward.needs_model
 
-    def generate(self, step: int) -> Rollout:
-        """``rollout.n`` responses to each of the step's prompts, the prompts split over the engines."""
-        items = self.dataset.next_batch()
+    def generate(self, index: int, version: int = 0) -> Rollout:
+        """Batch ``index``, generated now, by weights ``version``."""
+        return self.collect(self.submit(index, version))
+
+    def submit(self, index: int, version: int) -> PendingRollout:
+        """Draws batch ``index``'s prompts and asks for ``rollout.n`` responses to each, the prompts
+        split over the engines; returns at once. The engines refuse if their weights are not
+        ``version`` (the fence against generating with weights other than the ones recorded)."""
+        ids = self.dataset.next_ids()
+        items = [self.dataset.items[i] for i in ids]
         prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
-        groups = self._sample(prompts, self._sampling(step))
+        sampling = self._sampling(index, version)
+        share = -(-len(prompts) // len(self.engines))
+        parts = [prompts[i * share:(i + 1) * share] for i in range(len(self.engines))]
+        calls = [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=True) if p]
+        return PendingRollout(index, version, ids, calls)
+
+    def collect(self, pending: PendingRollout) -> Rollout:
+        """Waits for a submitted batch (``trainer.step_timeout_s``) and assembles it."""
+        groups = [g for part in wait_all(pending.calls, self.cfg.trainer.step_timeout_s, "generation") for g in part]
+        return self.assemble(pending.index, pending.version, pending.prompt_ids, groups)
+
+    def assemble(self, index: int, version: int, prompt_ids: list[int], groups: list[list[RolloutSample]]
+                 ) -> Rollout:
+        """A batch from the engines' samples (fresh, or read back from a checkpoint)."""
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
-        inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[i].metadata,
+        inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=self.dataset.items[pid].metadata,
                               response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
-                  for i, group in enumerate(groups) for s in group]
-        return Rollout(batch, inputs)
+                  for pid, group in zip(prompt_ids, groups, strict=True) for s in group]
+        return Rollout(batch, inputs, index, version, prompt_ids, groups)
 
     def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -79,14 +114,8 @@ class RolloutManager:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
 
-    def _sampling(self, step: int) -> SamplingConfig:
+    def _sampling(self, index: int, version: int) -> SamplingConfig:
         r = self.cfg.rollout
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
                               n=r.n, stop_token_ids=[self.tokenizer.eos_token_id],
-                              seed=self.cfg.seed * _SEED_STRIDE + step)
-
-    def _sample(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
-        share = -(-len(prompts) // len(self.engines))
-        parts = [prompts[i * share:(i + 1) * share] for i in range(len(self.engines))]
-        calls = [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=True) if p]
-        return [g for part in wait_all(calls, self.cfg.trainer.step_timeout_s, "generation") for g in part]
+                              seed=self.cfg.seed * _SEED_STRIDE + index, weight_version=version)

@@ -27,6 +27,7 @@ from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.rewards import RunReward
 from megarl.trainer.roles import MegatronRole
 from megarl.trainer.rollout_manager import RolloutManager
+from megarl.trainer.rollout_queue import RolloutQueue
 from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
 from megarl.workers.watchdog import Watchdog
@@ -57,6 +58,8 @@ class Run:
         self.slots: dict = {}
         self.watchdog: Watchdog | None = None
         self.rollout: RolloutManager | None = None
+        self.queue: RolloutQueue | None = None
+        self._busy_mark = 0.0  # the engines' generation seconds at the last generation_seconds()
         self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
 
     # -- construction --------------------------------------------------------------------------
@@ -92,6 +95,7 @@ class Run:
         self.engines = self._start_engines(actor_hf, slots["rollout"])
         self.rollout = RolloutManager(cfg, self.engines, AutoTokenizer.from_pretrained(str(actor_hf)),
                                       prompt_dataset(cfg.data), RunReward(cfg.rewards))
+        self.queue = RolloutQueue(self.rollout, cfg.trainer.max_staleness, last_step=cfg.trainer.steps)
         for name, role_cfg in cfg.roles().items():
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
         self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
@@ -108,6 +112,7 @@ class Run:
         pids = {name: role.group.pids for name, role in self.roles.items()}
         write_text_atomic(self.run_dir / "workers.json", json.dumps(pids, indent=2))
         self._start_watchdog()
+        self.generation_seconds()  # the steps' busy time counts from here
         return self
 
     def _start_watchdog(self) -> None:
@@ -187,10 +192,14 @@ class Run:
         return found or str(error)
 
     def sync_weights(self, batch: RolloutBatch | None = None) -> dict[str, float]:
-        """The actor's weights into vLLM, colocated or not; with ``batch``, vLLM's log-probs of a
-        few of its sequences checked against the actor's (``trainer.verify_sync``)."""
+        """The actor's weights (version ``self.step``) into vLLM, colocated or not; with ``batch``,
+        vLLM's log-probs of a few of its sequences checked against the actor's
+        (``trainer.verify_sync``). Generation still in flight is waited for first."""
+        self.queue.drain()
         self.colocation.to_sync()
         self.sync.sync()
+        wait_all([e.set_weight_version.remote(self.step) for e in self.engines], self.cfg.trainer.collective_timeout_s,
+                 "recording the engines' weight version")
         self.colocation.after_sync()
         verified = self.verify_sync(batch) if batch is not None else {}
         self.colocation.actor_off()
@@ -209,8 +218,17 @@ class Run:
         return {n: r for n, r in self.roles.items() if n in ("actor", "critic")}
 
     def save(self) -> Path:
+        self.queue.drain()  # the batches generated ahead go into the checkpoint, finished
+        state = {"data": self.rollout.state_dict(), "queue": self.queue.state_dict()}
         with self.colocation.roles_on_device():
-            return self.checkpoints.save(self.step, self.trained_roles(), {"data": self.rollout.state_dict()})
+            return self.checkpoints.save(self.step, self.trained_roles(), state, write_more=self.queue.save)
+
+    def generation_seconds(self) -> float:
+        """Seconds the engines spent generating (summed over engines) since the last call."""
+        total = sum(wait_all([e.busy_seconds.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s,
+                             "the engines' busy time"))
+        since, self._busy_mark = total - self._busy_mark, total
+        return since
 
     def resume(self) -> int:
         """Continues from the run directory's latest checkpoint (``trainer.resume: auto``); returns its step."""
@@ -224,6 +242,7 @@ class Run:
             role.restore(str(latest / name), with_optimizer=True)
         self.rollout.load_state_dict(state["data"])
         self.step = state["step"]
+        self.queue.load(latest, state.get("queue", {"next_index": self.step + 1}))
         self.sync_weights()
         print(f"resumed from {latest} (step {self.step})", flush=True)
         return self.step

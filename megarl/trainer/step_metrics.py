@@ -9,6 +9,7 @@ from megarl.algorithms.base import Estimate
 from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.rollout_manager import Rollout
 
 
 def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
@@ -38,14 +39,29 @@ def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, tor
 
 
 def timing(phase_times: dict[str, float], batch: RolloutBatch, step_seconds: float,
-           offloaded_bytes: int | None) -> dict[str, float]:
-    """Seconds per phase and for the step, tokens per second; colocated, the MiB the roles moved
-    off the device (``offloaded_bytes``; None when disaggregated)."""
+           offloaded_bytes: int | None, generation_seconds: float, engines: int) -> dict[str, float]:
+    """Seconds per phase and for the step, tokens per second, how busy each side was;
+    colocated, the MiB the roles moved off the device (``offloaded_bytes``; None when
+    disaggregated). ``generation_seconds``: the engines' time in generate() during the step,
+    summed over ``engines`` (ahead of training, part of it generates later steps' batches)."""
     generated = float(batch.response_lens.sum())
     out = {f"time/{name}_s": seconds for name, seconds in phase_times.items()}
     out["time/step_s"] = step_seconds
     out["throughput/tokens_per_s"] = generated / step_seconds
     out["throughput/generation_tokens_per_s"] = generated / max(phase_times.get("rollout", 0.0), 1e-9)
+    out["busy/rollout_fraction"] = generation_seconds / (engines * step_seconds)
+    # the actor's own work; the other roles' phases are as long as they block the step
+    out["busy/actor_fraction"] = sum(phase_times.get(p, 0.0) for p in ACTOR_PHASES) / step_seconds
     if offloaded_bytes is not None:
         out["memory/offloaded_mib"] = offloaded_bytes / 2**20
     return out
+
+
+ACTOR_PHASES = ("actor_logprobs", "actor_update", "weight_sync")
+
+
+def rollout_metrics(rollout: Rollout, step: int) -> dict:
+    """Where the step's batch came from: its weight version, how stale, which prompts (their
+    dataset ids, so a resumed run can be checked against the straight one)."""
+    return {"rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version,
+            "data/prompt_ids": list(rollout.prompt_ids)}

@@ -188,6 +188,11 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
     if cfg.trainer.resume not in ("auto", "never"):
         errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
+    if cfg.trainer.max_staleness > 0 and cfg.rollout.colocate_with is not None:
+        # colocated, vLLM and the roles take turns on the same device: nothing to overlap
+        errors.append(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout on its own resources, but "
+                      f"rollout.colocate_with={cfg.rollout.colocate_with!r}; colocated runs are synchronous "
+                      "(max_staleness: 0)")
     return errors + placement_errors(cfg)
 
 
@@ -276,6 +281,7 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("trainer.step_timeout_s", tr.step_timeout_s, "(0, inf)"),
         ("trainer.collective_timeout_s", tr.collective_timeout_s, "(0, inf)"),
         ("trainer.watchdog_interval_s", tr.watchdog_interval_s, "(0, inf)"),
+        ("trainer.max_staleness", tr.max_staleness, "[0, inf)"),
     ]
     for i, term in enumerate(cfg.rewards):
         checks += [

@@ -1,0 +1,123 @@
+"""``megarl bench async``: rollout ahead of training (``trainer.max_staleness`` k) against lockstep.
+
+The same recipe (by default the embedded CPU demo, without its reference so that the actor and
+the rollout engine each have a core of the 2-core machine, and with truncated importance
+sampling as the off-policy correction) trains the same number of steps at
+each k, one run after the other in one command. Per setting: generated tokens per second and
+step time over the steps after the first (warm-up), each side's busy fraction (the engine's
+time in generate(), the actor's phases, over the step time), the mean staleness of the trained
+batches, the mismatch KL between the trainer's and the engine's log-probs, and the held-out
+accuracy the run's ``eval`` section measured after training (greedy, the demo's 256 questions).
+
+Targets: k = 1 at >= 1.5x the tokens/s of k = 0, with held-out accuracy within 5 points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SPEEDUP_TARGET = 1.5
+ACCURACY_POINTS = 5.0
+# The demo's reference only measures KL: without it the actor and the engine have a core each.
+# Truncated importance sampling weights the stale batches' tokens (at k = 0 its weights are ~1).
+DEFAULT_OVERRIDES = ["reference=null", "algorithm.kl_coef=0", "algorithm.off_policy_correction=tis"]
+
+
+def setting_summary(history: list[dict[str, Any]], warmup: int = 1) -> dict[str, Any]:
+    """One run's figures from its metrics (``warmup`` first steps left out of the timings)."""
+    timed = history[warmup:]
+    if not timed:
+        raise ValueError(f"{len(history)} step(s) leave none to time after {warmup} warm-up step(s)")
+    tokens = sum(h["throughput/tokens_per_s"] * h["time/step_s"] for h in timed)
+    seconds = sum(h["time/step_s"] for h in timed)
+    evaluated = [h for h in history if any(k.startswith("eval/") and k.endswith("/accuracy") for k in h)]
+    accuracy = None
+    if evaluated:  # the last evaluation is the one after training
+        last = evaluated[-1]
+        accuracy = statistics.fmean(v for k, v in last.items() if k.startswith("eval/") and k.endswith("/accuracy"))
+    return {
+        "steps": len(history), "tokens_per_s": tokens / seconds, "step_s": seconds / len(timed),
+        "rollout_busy_fraction": statistics.fmean(h["busy/rollout_fraction"] for h in timed),
+        "actor_busy_fraction": statistics.fmean(h["busy/actor_fraction"] for h in timed),
+        "mean_staleness": statistics.fmean(h["rollout/staleness"] for h in history),
+        "mismatch_kl": statistics.fmean(h["mismatch/kl_k3"] for h in history),
+        "heldout_accuracy": accuracy,
+        "reward_mean_last": history[-1]["reward/mean"],
+    }
+
+
+def report(settings: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Every setting side by side, with k = 1 over k = 0 as the headline."""
+    out: dict[str, Any] = {"settings": {str(k): v for k, v in settings.items()},
+                           "heldout_accuracy": {str(k): v["heldout_accuracy"] for k, v in settings.items()}}
+    if 0 in settings and 1 in settings:
+        base, ahead = settings[0], settings[1]
+        out["speedup"] = ahead["tokens_per_s"] / base["tokens_per_s"]
+        out["speedup_target"] = SPEEDUP_TARGET
+        if base["heldout_accuracy"] is not None and ahead["heldout_accuracy"] is not None:
+            out["accuracy_points_lost"] = 100 * (base["heldout_accuracy"] - ahead["heldout_accuracy"])
+            out["accuracy_points_limit"] = ACCURACY_POINTS
+    return out
+
+
+def format_table(result: dict[str, Any]) -> str:
+    rows = [("k", "tokens/s", "step s", "rollout busy", "actor busy", "staleness", "mismatch KL", "held-out acc")]
+    for k, s in result["settings"].items():
+        acc = "-" if s["heldout_accuracy"] is None else f"{100 * s['heldout_accuracy']:.1f}%"
+        rows.append((k, f"{s['tokens_per_s']:.1f}", f"{s['step_s']:.1f}", f"{s['rollout_busy_fraction']:.2f}",
+                     f"{s['actor_busy_fraction']:.2f}", f"{s['mean_staleness']:.2f}", f"{s['mismatch_kl']:.4f}", acc))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    if "speedup" in result:
+        lines.append(f"speedup k=1 / k=0: {result['speedup']:.2f}x (measured/target "
+                     f"{result['speedup'] / SPEEDUP_TARGET:.2f})")
+    if "accuracy_points_lost" in result:
+        lines.append(f"held-out accuracy lost at k=1: {result['accuracy_points_lost']:.1f} points "
+                     f"(limit {ACCURACY_POINTS:.0f})")
+    return "\n".join(lines)
+
+
+def run_async_cmd(args: argparse.Namespace) -> int:
+    from megarl.bench.e2e import bench_config
+    from megarl.cluster.ray_env import shutdown_ray
+    from megarl.trainer.loop import train
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="megarl-bench-async-"))
+    overrides = [*DEFAULT_OVERRIDES, *args.overrides]
+    # every config is checked before the first run starts
+    cfgs = {k: bench_config(args.recipe, [*overrides, f"trainer.max_staleness={k}"], args.steps, out / f"k{k}")
+            for k in args.staleness}
+    progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    settings = {}
+    for k, cfg in cfgs.items():
+        progress(f"megarl bench async: max_staleness={k}, {args.steps} steps -> {cfg.output_dir}")
+        started = time.perf_counter()
+        try:
+            history = train(cfg)
+        finally:
+            shutdown_ray()  # the next setting starts on free cores
+        settings[k] = setting_summary(history) | {"wall_s": time.perf_counter() - started}
+    result = report(settings)
+    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    return 0
+
+
+def add_parser(bs: argparse._SubParsersAction) -> None:
+    p = bs.add_parser("async", help="rollout ahead of training (max_staleness k) vs lockstep: speed and accuracy",
+                      formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__)
+    p.add_argument("--recipe", default=None, help="YAML recipe (default: the embedded CPU demo)")
+    p.add_argument("overrides", nargs="*",
+                   help=f"dotted overrides of the recipe (applied after {' '.join(DEFAULT_OVERRIDES)})")
+    p.add_argument("--staleness", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2],
+                   help="the values of trainer.max_staleness to run, comma-separated (default 0,1,2)")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per setting (default 12)")
+    p.add_argument("--out", type=Path, default=None, help="run directories go here (default: a temporary one)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run_async_cmd)

@@ -1,0 +1,45 @@
+"""``megarl bench async``: its figures from a run's metrics, checked by hand; its refusals.
+
+The runs themselves are the trainer's (tests/test_trainer.py runs max_staleness=1); the
+benchmark is run by hand, its output quoted in the issue notes."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.bench.async_rollout import format_table, report, setting_summary
+from megarl.cli.main import main
+
+
+def _step(step: int, tokens_per_s: float, step_s: float, staleness: int, **more) -> dict:
+    return {"step": step, "throughput/tokens_per_s": tokens_per_s, "time/step_s": step_s,
+            "busy/rollout_fraction": 0.5, "busy/actor_fraction": 0.25, "rollout/staleness": staleness,
+            "mismatch/kl_k3": 0.01 * staleness, "reward/mean": 0.1 * step, **more}
+
+
+def test_summary_by_hand():
+    history = [_step(1, 10.0, 40.0, 0), _step(2, 30.0, 20.0, 1), _step(3, 20.0, 10.0, 1,
+                                                                          **{"eval/heldout/accuracy": 0.5})]
+    s = setting_summary(history)
+    assert s["tokens_per_s"] == pytest.approx((30 * 20 + 20 * 10) / 30)  # step 1 is warm-up
+    assert s["step_s"] == pytest.approx(15.0)
+    assert s["mean_staleness"] == pytest.approx(2 / 3)
+    assert s["mismatch_kl"] == pytest.approx(0.02 / 3)
+    assert s["heldout_accuracy"] == 0.5 and s["reward_mean_last"] == pytest.approx(0.3)
+
+
+def test_report_puts_k1_over_k0():
+    base = setting_summary([_step(1, 1.0, 1.0, 0), _step(2, 20.0, 10.0, 0, **{"eval/a/accuracy": 0.60})])
+    ahead = setting_summary([_step(1, 1.0, 1.0, 0), _step(2, 32.0, 10.0, 1, **{"eval/a/accuracy": 0.57})])
+    result = report({0: base, 1: ahead})
+    assert result["speedup"] == pytest.approx(1.6)
+    assert result["accuracy_points_lost"] == pytest.approx(3.0)
+    assert result["heldout_accuracy"] == {"0": 0.60, "1": 0.57}
+    table = format_table(result)
+    assert "speedup k=1 / k=0: 1.60x (measured/target 1.07)" in table and "3.0 points (limit 5)" in table
+
+
+def test_refuses_bad_arguments_before_starting_anything(capsys):
+    assert main(["bench", "async", "--staleness", "0,-1", "--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--staleness=-1 must be >= 0" in err and "--steps=0 must be >= 1" in err
