@@ -364,29 +364,31 @@ def _wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str
 
 # (the process to kill: a vLLM process of engine 0 or the driver itself; the step and phase to kill
 # it in; the phases the failure may name; how many steps the same command then resumes to, compared
-# with the straight run). Between steps the engine is idle, and the tiny model's update is over
-# before the watchdog's next look: the run notices in the phase after, still in step 3.
+# with the straight run; extra overrides). Rollout one version ahead (max_staleness=1), the engine
+# generates batch 4 while step 3 trains, or has finished it and waits: either way the tiny model's
+# update may be over before the watchdog's next look, and the run notices in a phase after.
 DEATHS = {
-    "core-during-generate": ("VLLM::EngineCore", 3, "rollout", ("rollout",), 4),
-    "worker-during-weight-sync": ("VLLM::Worker", 3, "weight_sync", ("weight_sync",), 0),
-    "core-between-steps": ("VLLM::EngineCore", 3, "actor_update", ("actor_update", "weight_sync"), 0),
-    "sigterm-of-the-driver": ("driver", 3, "rollout", (), 3),
+    "core-during-generate": ("VLLM::EngineCore", 3, "rollout", ("rollout",), 4, []),
+    "worker-during-weight-sync": ("VLLM::Worker", 3, "weight_sync", ("weight_sync",), 0, []),
+    "core-while-training-ahead": ("VLLM::EngineCore", 3, "actor_update",
+                                  ("actor_update", "rollout_wait", "weight_sync"), 0, ONE_AHEAD),
+    "sigterm-of-the-driver": ("driver", 3, "rollout", (), 3, []),
 }
 
 
 @pytest.mark.parametrize("case", list(DEATHS))
 def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_url, straight, tmp_path):
     """kill -9 of vLLM's engine core or its worker, while the engine generates, receives weights,
-    or waits for the next step: the run ends within 60 s with one line naming the rollout engine,
+    or generates the next batch while a step trains (or waits): the run ends within 60 s with one line naming the rollout engine,
     the process and the phase. SIGTERM of the driver (scancel, kill, Ctrl-C alike) ends it too.
     Either way every process the run started is gone within 30 s, and the same command resumes
     from the last checkpoint, repeating the straight run."""
     from megarl.trainer.loop import train
 
-    victim, step, phase, named_phases, resume_to = DEATHS[case]
+    victim, step, phase, named_phases, resume_to, extra = DEATHS[case]
     run_dir = tmp_path / "run"
     marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
-    overrides = grpo_overrides(policy, reward_url, run_dir, steps=40)
+    overrides = [*grpo_overrides(policy, reward_url, run_dir, steps=40), *extra]
     if phase == "weight_sync":  # 64 KiB buckets: the sync of the 26 MiB model lasts long enough to hit
         overrides.append("trainer.bucket_mib=0.0625")
     with _cli_run(overrides, env=dict([marker.split("=")])) as proc:

@@ -12,6 +12,7 @@ import time
 from megarl.algorithms import get_algorithm
 from megarl.algorithms.base import ScoredBatch
 from megarl.config.schema import RunConfig
+from megarl.trainer.evaluation import final_table
 from megarl.trainer.run import Run
 from megarl.trainer.step_metrics import rollout_metrics, step_metrics, timing
 from megarl.trainer.update_batches import policy_batch, value_batch
@@ -26,6 +27,8 @@ def train(cfg: RunConfig) -> list[dict]:
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
         algorithm = get_algorithm(cfg.algorithm.name)
         reward_model = run.roles.get("reward_model") if rollout.needs_reward_model else None  # else it seeds the critic
+        if start == 0 and (before := run.evaluate()):  # the held-out sets before any update, as step 0
+            log.log(0, before)
         for run.step in range(start + 1, cfg.trainer.steps + 1):
             began = time.perf_counter()
             with run.phase("rollout"):
@@ -60,11 +63,13 @@ def train(cfg: RunConfig) -> list[dict]:
             offloaded = device.take_offloaded_bytes() if device.active else None
             metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded, generating,
                               len(run.engines))
-            metrics |= rollout_metrics(samples, run.step)
+            metrics |= rollout_metrics(samples, run.step) | run.evaluate()  # eval: every eval.every steps, the last
             log.log(run.step, metrics)
             if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
                 run.save()
         run.save()
         plots = log.close()
         print(f"done: {cfg.trainer.steps} steps; metrics in {log.path}; plots: {', '.join(map(str, plots))}")
+        if table := final_table(log.history()):
+            print(table)
         return log.history()

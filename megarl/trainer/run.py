@@ -23,6 +23,7 @@ from megarl.data.prompts import prompt_dataset
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.colocation import Colocation
+from megarl.trainer.evaluation import Evaluator
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.rewards import RunReward
 from megarl.trainer.roles import MegatronRole
@@ -59,6 +60,7 @@ class Run:
         self.watchdog: Watchdog | None = None
         self.rollout: RolloutManager | None = None
         self.queue: RolloutQueue | None = None
+        self.evaluator: Evaluator | None = None
         self._busy_mark = 0.0  # the engines' generation seconds at the last generation_seconds()
         self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
 
@@ -93,8 +95,9 @@ class Run:
         slots = self.slots = place(cfg)
         actor_hf = hf_folder(cfg.actor.model.path)
         self.engines = self._start_engines(actor_hf, slots["rollout"])
-        self.rollout = RolloutManager(cfg, self.engines, AutoTokenizer.from_pretrained(str(actor_hf)),
-                                      prompt_dataset(cfg.data), RunReward(cfg.rewards))
+        tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
+        self.rollout = RolloutManager(cfg, self.engines, tokenizer, prompt_dataset(cfg.data), reward)
+        self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
         self.queue = RolloutQueue(self.rollout, cfg.trainer.max_staleness, last_step=cfg.trainer.steps)
         for name, role_cfg in cfg.roles().items():
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
@@ -211,6 +214,19 @@ class Run:
         report = self.sync.verify(batch.tokens[:2], tolerance=self.cfg.trainer.verify_tolerance)
         return {"sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
                 "sync/token_mult_prob_error": report.token_mult_prob_error}
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out sets on the engines' weights (version ``self.step``) when ``eval.*`` says this
+        step is one, else {}. Between steps: the engines hold the new weights and generate nothing."""
+        if not self.evaluator.due(self.step):
+            return {}
+        began = time.perf_counter()
+        with self.phase("eval"):
+            self.colocation.to_rollout()  # colocated, vLLM takes the device (after a sync it has it)
+            metrics = self.evaluator.evaluate(self.step, version=self.step)
+        del self.phase_times["eval"]  # not a phase of the steps that follow
+        self.generation_seconds()  # nor is its generation their busy time
+        return metrics | {"time/eval_s": time.perf_counter() - began}
 
     # -- checkpoints ---------------------------------------------------------------------------
 
