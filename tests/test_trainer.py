@@ -100,7 +100,10 @@ def grpo_overrides(policy: Path, reward_url: str, out: Path, steps: int) -> list
             "actor.pack_sequences=true", "actor.max_tokens_per_microbatch=256",
             "reference.max_tokens_per_microbatch=256", "reference.share_prompt=true",
             "trainer.tensorboard=false", "trainer.wandb=false", "trainer.collective_timeout_s=20",
-            "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
+            "rewards=[{kind: remote, url: '" + reward_url + "'}]",
+            # 16 held-out questions after the last step: the evaluation repeats across resumes too
+            "eval.before_training=false", "eval.sets=[{name: held, source: 'reasoning_gym:chain_sum', size: 16, "
+            "seed: 100000, instruction: '{question}', max_prompt_len: 128}]"]
 
 
 @contextlib.contextmanager
@@ -133,10 +136,10 @@ def _config(overrides: list[str], recipe: str | Path = DEFAULT) -> RunConfig:
     return cfg
 
 
-def _comparable(history: list[dict]) -> list[dict]:
-    """Metrics that must repeat exactly: everything except wall-clock times."""
-    return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/", "memory/", "busy/"))}
-            for h in history]
+def _comparable(history: list[dict], *also_skip: str) -> list[dict]:
+    """Metrics that must repeat exactly: everything except wall-clock times (and ``also_skip``)."""
+    skip = ("time/", "throughput/", "memory/", "busy/", *also_skip)
+    return [{k: v for k, v in h.items() if not k.startswith(skip)} for h in history]
 
 
 def _read_metrics(run_dir: Path) -> list[dict]:
@@ -174,6 +177,7 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     # the same prompts, in the same order, as in lockstep; step 1 is the same step
     assert [h["data/prompt_ids"] for h in ahead] == [h["data/prompt_ids"] for h in straight]
     assert _comparable(ahead)[0] == _comparable(straight)[0]
+    assert straight[-1]["eval/held/prompts"] == 16 and "eval/held/accuracy" not in straight[-2]
     assert _comparable(ahead)[1] != _comparable(straight)[1], "batch 2 came from other weights"
 
     # The same run in its own process, killed (SIGKILL of the actor's rank) once step 2's
@@ -203,8 +207,8 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     assert sorted(trained) == sorted(p for h in ahead for p in h["data/prompt_ids"])
     assert len(set(trained)) == len(trained)
     assert (run_dir / "checkpoints" / "step_000004" / "actor" / "megarl.json").is_file()
-    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["kl.png", "response_length.png",
-                                                                     "reward.png"]
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["eval_accuracy.png", "kl.png",
+                                                                     "response_length.png", "reward.png"]
 
 
 def test_colocated_run_repeats_the_disaggregated_run(policy, reward_url, straight, tmp_path):
@@ -314,7 +318,7 @@ def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward
         "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=1",
         "critic.micro_batch_size=1", "reference.micro_batch_size=4", "reward_model.micro_batch_size=4",
         "trainer.tensorboard=false", "trainer.wandb=false", "trainer.verify_sync=first",
-        "rewards=[{kind: model, weight: 1.0}]",
+        "rewards=[{kind: model, weight: 1.0}]", "eval.sets=[]",
     ]
     history = train(_config(overrides))
     assert [h["step"] for h in history] == [1, 2]
@@ -379,10 +383,10 @@ DEATHS = {
 @pytest.mark.parametrize("case", list(DEATHS))
 def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_url, straight, tmp_path):
     """kill -9 of vLLM's engine core or its worker, while the engine generates, receives weights,
-    or generates the next batch while a step trains (or waits): the run ends within 60 s with one line naming the rollout engine,
-    the process and the phase. SIGTERM of the driver (scancel, kill, Ctrl-C alike) ends it too.
-    Either way every process the run started is gone within 30 s, and the same command resumes
-    from the last checkpoint, repeating the straight run."""
+    or generates the next batch while a step trains (or waits): the run ends within 60 s with one
+    line naming the rollout engine, the process and the phase. SIGTERM of the driver (scancel,
+    kill, Ctrl-C alike) ends it too. Either way every process the run started is gone within 30 s,
+    and the same command resumes from the last checkpoint, repeating the straight run."""
     from megarl.trainer.loop import train
 
     victim, step, phase, named_phases, resume_to, extra = DEATHS[case]
@@ -417,4 +421,5 @@ def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_ur
     if resume_to:  # the same command again resumes from step 2's checkpoint and repeats the straight run
         resumed = train(_config(grpo_overrides(policy, reward_url, run_dir, steps=resume_to)))
         assert [h["step"] for h in _read_metrics(run_dir)] == list(range(1, resume_to + 1))
-        assert _comparable(resumed) == _comparable(straight)[:resume_to]
+        # the straight run evaluated at its own last step, 4, not at resume_to
+        assert _comparable(resumed, "eval/") == _comparable(straight, "eval/")[:resume_to]
