@@ -18,8 +18,9 @@ def _step(step: int, tokens_per_s: float, step_s: float, staleness: int, **more)
 
 
 def test_summary_by_hand():
-    history = [_step(1, 10.0, 40.0, 0), _step(2, 30.0, 20.0, 1), _step(3, 20.0, 10.0, 1,
-                                                                          **{"eval/heldout/accuracy": 0.5})]
+    history = [{"step": 0, "eval/heldout/accuracy": 0.25},  # the evaluation before training
+               _step(1, 10.0, 40.0, 0), _step(2, 30.0, 20.0, 1),
+               _step(3, 20.0, 10.0, 1, **{"eval/heldout/accuracy": 0.5})]
     s = setting_summary(history)
     assert s["tokens_per_s"] == pytest.approx((30 * 20 + 20 * 10) / 30)  # step 1 is warm-up
     assert s["step_s"] == pytest.approx(15.0)

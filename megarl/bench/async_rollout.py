@@ -15,6 +15,7 @@ Targets: k = 1 at >= 1.5x the tokens/s of k = 0, with held-out accuracy within 5
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,17 +28,21 @@ SPEEDUP_TARGET = 1.5
 ACCURACY_POINTS = 5.0
 # The demo's reference only measures KL: without it the actor and the engine have a core each.
 # Truncated importance sampling weights the stale batches' tokens (at k = 0 its weights are ~1).
-DEFAULT_OVERRIDES = ["reference=null", "algorithm.kl_coef=0", "algorithm.off_policy_correction=tis"]
+# The weights before training are every setting's: evaluated once would do, so not at all here.
+DEFAULT_OVERRIDES = ["reference=null", "algorithm.kl_coef=0", "algorithm.off_policy_correction=tis",
+                     "eval.before_training=false"]
 
 
 def setting_summary(history: list[dict[str, Any]], warmup: int = 1) -> dict[str, Any]:
-    """One run's figures from its metrics (``warmup`` first steps left out of the timings)."""
+    """One run's figures from its metrics (``warmup`` first steps left out of the timings; the
+    evaluation before training, logged as step 0, is no step)."""
+    evaluated = [h for h in history if any(k.startswith("eval/") and k.endswith("/accuracy") for k in h)]
+    history = [h for h in history if h["step"] >= 1]
     timed = history[warmup:]
     if not timed:
         raise ValueError(f"{len(history)} step(s) leave none to time after {warmup} warm-up step(s)")
     tokens = sum(h["throughput/tokens_per_s"] * h["time/step_s"] for h in timed)
     seconds = sum(h["time/step_s"] for h in timed)
-    evaluated = [h for h in history if any(k.startswith("eval/") and k.endswith("/accuracy") for k in h)]
     accuracy = None
     if evaluated:  # the last evaluation is the one after training
         last = evaluated[-1]
@@ -99,10 +104,12 @@ def run_async_cmd(args: argparse.Namespace) -> int:
     for k, cfg in cfgs.items():
         progress(f"megarl bench async: max_staleness={k}, {args.steps} steps -> {cfg.output_dir}")
         started = time.perf_counter()
-        try:
-            history = train(cfg)
-        finally:
-            shutdown_ray()  # the next setting starts on free cores
+        # with --json, stdout holds the JSON alone: the runs' step lines go to stderr
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            try:
+                history = train(cfg)
+            finally:
+                shutdown_ray()  # the next setting starts on free cores
         settings[k] = setting_summary(history) | {"wall_s": time.perf_counter() - started}
     result = report(settings)
     print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
