@@ -80,6 +80,9 @@ def test_final_table_and_plot(tmp_path):
     assert lines[2].split() == ["sums", "accuracy", "0.2500", "0.5000"]
     assert lines[3].split() == ["sums", "prompts", "16", "16"]
     assert final_table([{"step": 1, "reward/mean": 0.3}]) == ""
+    # one evaluation (none before training): one column, not the same figures twice
+    single = final_table(history[1:]).splitlines()
+    assert single[0].split() == ["set", "metric", "step", "2"] and single[2].split() == ["sums", "accuracy", "0.5000"]
     written = write_plots(history, tmp_path)
     assert {p.name for p in written} == {"reward.png", "eval_accuracy.png"}
 

@@ -47,9 +47,9 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
-                 gpu_memory_utilization: float = 0.6, load_format: str = "auto"):
+                 gpu_memory_utilization: float = 0.6, load_format: str = "auto", cpu_threads: int | None = None):
         platform = current_platform()
-        platform.prepare_vllm_process(kv_cache_gib, tp, usable_cores())
+        platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores())
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 

@@ -168,15 +168,18 @@ def final_table(history: list[dict[str, Any]]) -> str:
     evaluated = [r for r in history if any(key.startswith("eval/") for key in r)]
     if not evaluated:
         return ""
-    first, last = evaluated[0], evaluated[-1]
-    names = sorted({key.split("/")[1] for r in (first, last) for key in r if key.startswith("eval/")})
-    header = ("set", "metric", f"before (step {first['step']})", f"after (step {last['step']})")
+    # one column when a single step was evaluated (no evaluation before training)
+    shown = [evaluated[0], evaluated[-1]] if len(evaluated) > 1 else evaluated[:1]
+    names = sorted({key.split("/")[1] for r in shown for key in r if key.startswith("eval/")})
+    titles = [f"before (step {shown[0]['step']})", f"after (step {shown[-1]['step']})"] if len(shown) > 1 \
+        else [f"step {shown[0]['step']}"]
+    header = ("set", "metric", *titles)
     rows = [header]
     for name in names:
         for metric in METRICS:
             key = f"eval/{name}/{metric}"
-            if key in first or key in last:
-                rows.append((name, metric, _cell(metric, first.get(key)), _cell(metric, last.get(key))))
+            if any(key in r for r in shown):
+                rows.append((name, metric, *(_cell(metric, r.get(key)) for r in shown)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))) for row in rows]

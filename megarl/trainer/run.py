@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megarl.config.schema import RunConfig
 from megarl.data.prompts import prompt_dataset
+from megarl.platform import current_platform
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.colocation import Colocation
@@ -145,8 +146,17 @@ class Run:
                              max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib, seed=self.cfg.seed,
                              gpu_memory_utilization=r.gpu_memory_utilization,
                              load_format="auto" if has_weights else "dummy",
-                             placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank)
+                             placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
+                             cpu_threads=self._cpu_threads(slot))
                 for i in range(r.engines)]
+
+    def _cpu_threads(self, slot) -> int | None:
+        """CPU threads of each rank or engine process. Lockstep (None): all the cores, as one
+        side computes while the other waits. Rollout ahead: both compute at once, so each keeps
+        to the CPUs it was given, instead of twice the threads fighting over the same cores."""
+        if self.cfg.trainer.max_staleness == 0 or current_platform().is_gpu:
+            return None
+        return max(1, int(slot.cpus_per_rank))
 
     def _start_role(self, name: str, role_cfg, slot) -> MegatronRole:
         from megarl.workers import WorkerGroup
@@ -154,7 +164,8 @@ class Run:
         tr = self.cfg.trainer
         group = WorkerGroup(name, role_cfg.parallel.ranks, num_cpus_per_rank=slot.cpus_per_rank,
                             num_gpus_per_rank=slot.gpus_per_rank, placement_group=slot.placement_group,
-                            bundle_offset=slot.bundle_offset, collective_timeout_s=tr.collective_timeout_s)
+                            bundle_offset=slot.bundle_offset, collective_timeout_s=tr.collective_timeout_s,
+                            threads_per_rank=self._cpu_threads(slot))
         role = MegatronRole(name, role_cfg, group, role_cfg.model.path, timeout_s=tr.step_timeout_s,
                             value_head=name in ("critic", "reward_model"))
         role.load(timeout_minutes=max(1, math.ceil(tr.collective_timeout_s / 60)))
