@@ -22,6 +22,14 @@ ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_INSTRUCTION = "{question}\n\nGive the final answer inside <answer></answer>."
 
 
+def instruction_problem(field: str, source: str, instruction: str) -> str | None:
+    """Why a reasoning-gym ``instruction`` template cannot be used (it must hold ``{question}``),
+    or None; ``field`` names it in the message."""
+    if source.startswith("reasoning_gym:") and instruction and "{question}" not in instruction:
+        return f"{field}={instruction!r} must contain {{question}}"
+    return None
+
+
 @dataclass
 class PromptItem:
     messages: list[dict[str, str]] | None = None

@@ -6,6 +6,7 @@ import math
 
 from megarl.config.loader import ConfigError
 from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, PrecisionConfig, RunConfig
+from megarl.data.prompts import instruction_problem
 from megarl.models.hf_arch import ArchError, ModelArch
 from megarl.models.layout import parallel_errors
 from megarl.platform import Platform, current_platform
@@ -296,8 +297,8 @@ def range_errors(cfg: RunConfig) -> list[str]:
     if data.source.startswith("reasoning_gym:") and data.size >= 1 and data.prompts_per_step > data.size:
         errors.append(f"data.prompts_per_step={data.prompts_per_step} is more than the data.size={data.size} "
                       "prompts generated")
-    if data.source.startswith("reasoning_gym:") and data.instruction and "{question}" not in data.instruction:
-        errors.append(f"data.instruction={data.instruction!r} must contain {{question}}")
+    if problem := instruction_problem("data.instruction", data.source, data.instruction):
+        errors.append(problem)
     return errors
 
 

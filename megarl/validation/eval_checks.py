@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from megarl.config.schema import RunConfig
+from megarl.data.prompts import instruction_problem
 
 # A set's name becomes part of its metrics' keys (eval/<name>/accuracy) and of TensorBoard's tags.
 _NAME_FORBIDDEN = "/ \t\n"
@@ -52,8 +53,8 @@ def eval_setting_errors(cfg: RunConfig) -> list[str]:
         if s.samples > 1 and math.isfinite(s.temperature) and s.temperature <= 0:
             errors.append(f"{where}.samples={s.samples} needs {where}.temperature > 0 (greedy samples are all "
                           "the same); set samples: 1 for greedy evaluation")
-        if s.source.startswith("reasoning_gym:") and s.instruction and "{question}" not in s.instruction:
-            errors.append(f"{where}.instruction={s.instruction!r} must contain {{question}}")
+        if problem := instruction_problem(f"{where}.instruction", s.source, s.instruction):
+            errors.append(problem)
     return errors
 
 
