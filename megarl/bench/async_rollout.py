@@ -36,7 +36,9 @@ DEFAULT_OVERRIDES = ["reference=null", "algorithm.kl_coef=0", "algorithm.off_pol
 def setting_summary(history: list[dict[str, Any]], warmup: int = 1) -> dict[str, Any]:
     """One run's figures from its metrics (``warmup`` first steps left out of the timings; the
     evaluation before training, logged as step 0, is no step)."""
-    evaluated = [h for h in history if any(k.startswith("eval/") and k.endswith("/accuracy") for k in h)]
+    from megarl.trainer.metrics import eval_accuracy_keys
+
+    evaluated = [h for h in history if eval_accuracy_keys([h])]
     history = [h for h in history if h["step"] >= 1]
     timed = history[warmup:]
     if not timed:
@@ -46,7 +48,7 @@ def setting_summary(history: list[dict[str, Any]], warmup: int = 1) -> dict[str,
     accuracy = None
     if evaluated:  # the last evaluation is the one after training
         last = evaluated[-1]
-        accuracy = statistics.fmean(v for k, v in last.items() if k.startswith("eval/") and k.endswith("/accuracy"))
+        accuracy = statistics.fmean(last[k] for k in eval_accuracy_keys([last]))
     return {
         "steps": len(history), "tokens_per_s": tokens / seconds, "step_s": seconds / len(timed),
         "rollout_busy_fraction": statistics.fmean(h["busy/rollout_fraction"] for h in timed),

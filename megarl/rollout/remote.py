@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 from megarl.platform import current_platform
+from megarl.rollout.sampling import SamplingConfig
 from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
 
 
@@ -39,3 +40,11 @@ def wait_ready(engines: list, timeout_s: float = 600.0) -> None:
     import ray
 
     ray.get([e.ready.remote() for e in engines], timeout=timeout_s)
+
+
+def submit_generation(engines: list, prompts: list[list[int]], sampling: SamplingConfig) -> list:
+    """Asks the engines for samples of ``prompts``, split into contiguous, near-equal shares in
+    engine order; returns one object ref per engine that got prompts, at once (results in order)."""
+    share = -(-len(prompts) // len(engines))
+    parts = [prompts[i * share:(i + 1) * share] for i in range(len(engines))]
+    return [e.generate.remote(p, sampling) for e, p in zip(engines, parts, strict=True) if p]

@@ -32,6 +32,7 @@ from megarl.config.schema import EvalConfig, EvalSetConfig, RunConfig
 from megarl.data.prompts import PromptItem, prompt_dataset
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
+from megarl.rollout.remote import submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.trainer.rewards import RunReward
 from megarl.utils.abort import wait_all
@@ -124,7 +125,7 @@ class Evaluator:
 
         ``version``: the weight version the engines must hold (they refuse another, as for a
         rollout batch); None skips that check. Every set's prompts go to the engines at once,
-        split over them as a rollout batch is, and vLLM batches them.
+        split over them as a rollout batch is (``submit_generation``), and vLLM batches them.
         """
         calls = [self._submit(s, version) for s in self.sets]
         flat = [ref for refs in calls for ref in refs]
@@ -140,9 +141,7 @@ class Evaluator:
         sampling = SamplingConfig(temperature=s.cfg.temperature, top_p=1.0, top_k=-1, max_tokens=max_tokens,
                                   n=s.cfg.samples, stop_token_ids=[self.tokenizer.eos_token_id], seed=self.cfg.seed,
                                   logprobs=False, weight_version=version)
-        share = -(-len(s.prompts) // len(self.engines))
-        parts = [s.prompts[i * share:(i + 1) * share] for i in range(len(self.engines))]
-        return [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=True) if p]
+        return submit_generation(self.engines, s.prompts, sampling)
 
     def _score(self, s: EvalSet, groups: list[list[RolloutSample]]) -> dict[str, float]:
         if len(groups) != len(s.items) or any(len(g) != s.cfg.samples for g in groups):

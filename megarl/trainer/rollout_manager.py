@@ -21,6 +21,7 @@ from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
+from megarl.rollout.remote import submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.rewards import RunReward
@@ -64,10 +65,6 @@ class RolloutManager:
     def needs_reward_model(self) -> bool:
         return self.reward.needs_model
 
-    def generate(self, index: int, version: int = 0) -> Rollout:
-        """Batch ``index``, generated now, by weights ``version``."""
-        return self.collect(self.submit(index, version))
-
     def submit(self, index: int, version: int) -> PendingRollout:
         """Draws batch ``index``'s prompts and asks for ``rollout.n`` responses to each, the prompts
         split over the engines; returns at once. The engines refuse if their weights are not
@@ -75,10 +72,7 @@ class RolloutManager:
         ids = self.dataset.next_ids()
         items = [self.dataset.items[i] for i in ids]
         prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
-        sampling = self._sampling(index, version)
-        share = -(-len(prompts) // len(self.engines))
-        parts = [prompts[i * share:(i + 1) * share] for i in range(len(self.engines))]
-        calls = [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=True) if p]
+        calls = submit_generation(self.engines, prompts, self._sampling(index, version))
         return PendingRollout(index, version, ids, calls)
 
     def collect(self, pending: PendingRollout) -> Rollout:
