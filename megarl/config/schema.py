@@ -211,6 +211,42 @@ class RewardTermConfig:
     max_concurrency: int = 4
 
 
+@dataclass
+class ToolConfig:
+    name: str = ""  # python | calculator (megarl.envs.tools.registry)
+    options: dict = field(default_factory=dict)  # the tool's own settings (the sandbox's limits, ...)
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes (``megarl.envs``, run by ``megarl.rollout.episodes``): the policy speaks,
+    the environment answers, until it is done or a limit is reached; only the policy's tokens train."""
+
+    kind: str = "tools"  # single_turn | tools | remote (megarl.envs.registry)
+    tools: list[ToolConfig] = field(default_factory=list)
+    tool_parser: str = "hermes"  # how tool calls are written: <tool_call>{json}</tool_call>
+    # Messages shown between the system prompt and every episode's prompt ({role, content}; a
+    # tool message may name its tool): a worked exchange that demonstrates a tool call.
+    prelude: list[dict] = field(default_factory=list)
+    max_turns: int = 4  # policy turns per episode
+    # Response tokens per episode, the policy's and the inserted observations' together; each
+    # turn is also bounded by rollout.max_tokens.
+    max_episode_tokens: int = 512
+    # Reward shaping: added once per episode, for its first tool call that parsed and ran without
+    # an error (0: only the final answer is rewarded).
+    tool_call_reward: float = 0.0
+    max_concurrent_episodes: int = 64  # per engine
+    # Episodes overlap: while one waits for a tool, the others generate. False: every turn waits
+    # for all episodes' tools before any generates again (for measuring what overlap buys).
+    overlap: bool = True
+    step_timeout_s: float = 60.0  # one environment step (a tool call, a remote answer)
+    # remote: the environment service (megarl.envs.remote)
+    url: str = ""
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    max_concurrency: int = 16
+
+
 # Settings whose default depends on ``algorithm.name``: a field left unset (None) takes the value
 # of its algorithm's row, else of the "*" row, when the config is built (so set ``name`` then, in
 # the recipe or an override, not by assigning it later). Each algorithm's module says why.
@@ -299,6 +335,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (off without sets)
+    env: EnvConfig | None = None  # multi-turn episodes; None: one prompt in, one response out
 
     def __post_init__(self) -> None:
         # A critic without weights of its own starts from the reward model's, as the seeds

@@ -37,6 +37,12 @@ class RolloutEngine(Protocol):
         sampling transforms (temperature first), finish reason. Refuses when
         ``sampling.weight_version`` is set and is not the engine's."""
 
+    def generate_episodes(self, requests: list[Any], sampling: SamplingConfig, env: Any, rewards: list[Any],
+                          limits: Any) -> list[Any]:
+        """Multi-turn episodes (``EpisodeRequest`` in, ``Trajectory`` out, in order) against
+        ``env`` (an ``EnvConfig``), final answers scored by the ``rewards`` terms; the same
+        version fence as ``generate``."""
+
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""
 

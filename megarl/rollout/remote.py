@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
+from megarl.config.schema import RunConfig
+from megarl.data.prompts import PromptItem
+from megarl.envs.base import EpisodeItem, Message
 from megarl.platform import current_platform
+from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest
 from megarl.rollout.sampling import SamplingConfig
 from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
 
@@ -48,3 +53,41 @@ def submit_generation(engines: list, prompts: list[list[int]], sampling: Samplin
     share = -(-len(prompts) // len(engines))
     parts = [prompts[i * share:(i + 1) * share] for i in range(len(engines))]
     return [e.generate.remote(p, sampling) for e, p in zip(engines, parts, strict=True) if p]
+
+
+def submit_episodes(engines: list, items: list[EpisodeItem], sampling: SamplingConfig, cfg: RunConfig) -> list:
+    """Asks the engines for ``sampling.n`` episodes of each item with ``cfg.env`` (a group's
+    episodes on one engine, where they share the prompt's cache), items split as
+    ``submit_generation`` splits prompts; one object ref per engine that got items. Episode j
+    of item i samples with seed ``sampling.seed`` + 1000 * (i * n + j) + turn."""
+    n = sampling.n
+    prelude = tuple(Message(m["role"], m["content"], m.get("name")) for m in cfg.env.prelude)
+    items = [replace(item, context=prelude + item.context) for item in items]
+    requests = [EpisodeRequest(item, None if sampling.seed is None else sampling.seed + 1000 * (i * n + j))
+                for i, item in enumerate(items) for j in range(n)]
+    turn = replace(sampling, n=1)
+    limits = episode_limits(cfg)
+    share = -(-len(items) // len(engines)) * n
+    parts = [requests[i * share:(i + 1) * share] for i in range(len(engines))]
+    return [e.generate_episodes.remote(p, turn, cfg.env, cfg.rewards, limits)
+            for e, p in zip(engines, parts, strict=True) if p]
+
+
+def episode_limits(cfg: RunConfig, max_turn_tokens: int | None = None) -> EpisodeLimits:
+    env = cfg.env
+    return EpisodeLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
+                         max_turn_tokens=max_turn_tokens or cfg.rollout.max_tokens,
+                         max_model_len=cfg.rollout.max_model_len, max_concurrent=env.max_concurrent_episodes,
+                         overlap=env.overlap, step_timeout_s=env.step_timeout_s)
+
+
+def episode_item(item: PromptItem) -> EpisodeItem:
+    """A dataset item as an episode's start: its text prompt, or its chat messages as an optional
+    system message and one user message (validation refuses other shapes for env runs)."""
+    if item.prompt is not None:
+        return EpisodeItem(item.prompt, item.metadata)
+    messages = list(item.messages or [])
+    system = messages.pop(0)["content"] if messages and messages[0]["role"] == "system" else None
+    if len(messages) != 1 or messages[0]["role"] != "user":
+        raise ValueError("an episode starts from one user message (and an optional system message)")
+    return EpisodeItem(messages[0]["content"], item.metadata, system_prompt=system)

@@ -26,3 +26,6 @@ class RolloutSample:
     response_ids: list[int]
     logprobs: list[float]  # one per response token (log p under the rollout engine)
     finish_reason: str  # "stop" (a stop token) or "length" (max_tokens)
+    # Multi-turn episodes: 1 where the response token is the policy's (trained), 0 where an
+    # environment inserted it (context only). None: every response token is the policy's.
+    response_mask: list[int] | None = None

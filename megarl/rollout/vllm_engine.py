@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.platform import current_platform
+from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, Trajectory
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.utils import process_watch
 from megarl.utils.cores import usable_cores
@@ -73,6 +75,10 @@ class VLLMEngine:
         self._processes = process_watch.descendants("VLLM::")
         self.weight_version = 0  # the initial weights; each weight sync's caller sets the next
         self._generate_seconds = 0.0
+        self.model_path = model_path
+        self._hf_tokenizer = None  # multi-turn episodes decode turns and render observations
+        self._episode_setups: dict[str, tuple] = {}
+        self._loop_thread = None  # the environments' event loop (megarl.rollout.episodes)
 
     def set_weight_version(self, version: int) -> None:
         """Records which policy version the weights just received are (a generation request
@@ -105,9 +111,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if sampling.weight_version is not None and sampling.weight_version != self.weight_version:
-            raise ValueError(f"generation asked for policy version {sampling.weight_version}, but this engine "
-                             f"holds version {self.weight_version}: a weight sync was missed or repeated")
+        self._check_version(sampling)
         started = time.perf_counter()
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
@@ -128,6 +132,55 @@ class VLLMEngine:
             results.append(samples)
         self._generate_seconds += time.perf_counter() - started
         return results
+
+    def generate_episodes(self, requests: list[EpisodeRequest], sampling: SamplingConfig, env: EnvConfig,
+                          rewards: list[RewardTermConfig], limits: EpisodeLimits) -> list[Trajectory]:
+        """Multi-turn episodes with ``env`` (``megarl.rollout.episodes``), in request order; one
+        generation request per turn, the engine batching the turns of all episodes in flight."""
+        from megarl.rollout.episodes import EpisodeRunner
+        from megarl.rollout.vllm_turns import VLLMTurns
+
+        self._check_version(sampling)
+        started = time.perf_counter()
+        make_env, renderer = self._episode_setup(env, rewards)
+        runner = EpisodeRunner(VLLMTurns(self.llm, self._tokenizer(), sampling), renderer, make_env, limits,
+                               self._env_loop())
+        try:
+            return runner.run(requests)
+        finally:
+            self._generate_seconds += time.perf_counter() - started
+
+    def _episode_setup(self, env: EnvConfig, rewards: list[RewardTermConfig]):
+        """The episode factory and the chat renderer of one environment config, built once."""
+        from megarl.data.chat import ChatRenderer
+        from megarl.envs.registry import environment_factory, tool_instructions
+
+        key = repr((env, rewards))
+        if key not in self._episode_setups:
+            make_env = environment_factory(env, rewards)
+            specs = make_env().tool_specs()
+            renderer = ChatRenderer(self._tokenizer(), specs, tool_instructions(env, specs))
+            self._episode_setups[key] = (make_env, renderer)
+        return self._episode_setups[key]
+
+    def _tokenizer(self):
+        if self._hf_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._hf_tokenizer
+
+    def _env_loop(self):
+        from megarl.rollout.episodes import EventLoopThread
+
+        if self._loop_thread is None:
+            self._loop_thread = EventLoopThread()
+        return self._loop_thread
+
+    def _check_version(self, sampling: SamplingConfig) -> None:
+        if sampling.weight_version is not None and sampling.weight_version != self.weight_version:
+            raise ValueError(f"generation asked for policy version {sampling.weight_version}, but this engine "
+                             f"holds version {self.weight_version}: a weight sync was missed or repeated")
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1 of each sequence, scored by the engine."""

@@ -26,10 +26,12 @@ from megarl.platform import current_platform
 
 if current_platform().prepacks_vllm_weights:
     # Imported by vLLM's worker processes before they load the model: keep vLLM's own
-    # load_weights usable after it prepacks CPU weights (see megarl.platform.vllm_cpu).
-    from megarl.platform.vllm_cpu import prepacked_weights_keep_loaders
+    # load_weights usable after it prepacks CPU weights, and seeded sampling alive when a
+    # prompt is prefilled in chunks (see megarl.platform.vllm_cpu).
+    from megarl.platform.vllm_cpu import prepacked_weights_keep_loaders, seeded_sampling_on_cpu
 
     prepacked_weights_keep_loaders()
+    seeded_sampling_on_cpu()
 
 
 def _repacks(module: torch.nn.Module) -> bool:

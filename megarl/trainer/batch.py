@@ -3,7 +3,8 @@
 A sequence is prompt + response, right-padded to the batch's longest. Token-level
 tensors ([B, L-1]) are indexed by *label position* k, the prediction of token
 k+1 from tokens <= k; ``mask`` marks the positions whose label is a response
-token. Samples of one prompt are consecutive (the GRPO group).
+token the policy generated (a multi-turn episode's observation tokens are context
+only). Samples of one prompt are consecutive (the GRPO group).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple:
         seq = s.prompt_ids + s.response_ids
         tokens[i, :len(seq)] = torch.tensor(seq)
         start, stop = len(s.prompt_ids) - 1, len(seq) - 1  # label positions of the response tokens
-        mask[i, start:stop] = 1.0
+        mask[i, start:stop] = 1.0 if s.response_mask is None else torch.tensor(s.response_mask, dtype=mask.dtype)
         if s.logprobs:
             rollout_lp[i, start:stop] = torch.tensor(s.logprobs)
     return RolloutBatch(

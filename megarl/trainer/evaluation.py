@@ -32,12 +32,14 @@ from megarl.config.schema import EvalConfig, EvalSetConfig, RunConfig
 from megarl.data.prompts import PromptItem, prompt_dataset
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
-from megarl.rollout.remote import submit_generation
+from megarl.rollout.episodes import Trajectory
+from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.trainer.rewards import RunReward
 from megarl.utils.abort import wait_all
 
-METRICS = ("accuracy", "mean_at_k", "pass_at_k", "reward_mean", "response_length_mean", "prompts")
+METRICS = ("accuracy", "mean_at_k", "pass_at_k", "reward_mean", "response_length_mean", "tool_call_fraction",
+           "prompts")
 
 
 # --------------------------------------------------------------------------- metric arithmetic
@@ -132,8 +134,8 @@ class Evaluator:
         done = iter(wait_all(flat, self.cfg.trainer.step_timeout_s, f"evaluation at step {step}"))
         metrics: dict[str, float] = {}
         for s, refs in zip(self.sets, calls, strict=True):
-            groups = [group for _ in refs for group in next(done)]
-            metrics |= self._score(s, groups)
+            answers = [answer for _ in refs for answer in next(done)]
+            metrics |= self._score_episodes(s, answers) if self.cfg.env is not None else self._score(s, answers)
         return metrics
 
     def _submit(self, s: EvalSet, version: int | None) -> list:
@@ -141,7 +143,22 @@ class Evaluator:
         sampling = SamplingConfig(temperature=s.cfg.temperature, top_p=1.0, top_k=-1, max_tokens=max_tokens,
                                   n=s.cfg.samples, stop_token_ids=[self.tokenizer.eos_token_id], seed=self.cfg.seed,
                                   logprobs=False, weight_version=version)
+        if self.cfg.env is not None:  # the set's prompts as episodes, with the run's environment and tools
+            return submit_episodes(self.engines, [episode_item(item) for item in s.items], sampling, self.cfg)
         return submit_generation(self.engines, s.prompts, sampling)
+
+    def _score_episodes(self, s: EvalSet, episodes: list[Trajectory]) -> dict[str, float]:
+        """An env run's set: each episode's reward is the environment's (its final answer's score
+        plus any shaping), its length the policy's own tokens; and how many episodes called a tool."""
+        k = s.cfg.samples
+        if len(episodes) != len(s.items) * k:
+            raise RuntimeError(f"eval set {s.cfg.name!r}: the engines returned {len(episodes)} episodes "
+                               f"for {len(s.items)} prompts x {k} samples")
+        rewards = [[t.reward for t in episodes[i * k:(i + 1) * k]] for i in range(len(s.items))]
+        lengths = [[sum(t.response_mask) for t in episodes[i * k:(i + 1) * k]] for i in range(len(s.items))]
+        metrics = set_metrics(s.cfg.name, rewards, lengths, self.cfg.eval.correct_threshold)
+        called = sum(t.info.get("tool_calls", 0) > 0 for t in episodes) / len(episodes)
+        return metrics | {f"eval/{s.cfg.name}/tool_call_fraction": called}
 
     def _score(self, s: EvalSet, groups: list[list[RolloutSample]]) -> dict[str, float]:
         if len(groups) != len(s.items) or any(len(g) != s.cfg.samples for g in groups):

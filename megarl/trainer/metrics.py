@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 CONSOLE_KEYS = ("reward/mean", "kl/mean", "entropy/mean", "actor/clip_fraction", "response/length_mean",
-                "time/step_s", "throughput/tokens_per_s")
+                "tool/call_fraction", "time/step_s", "throughput/tokens_per_s")
 
 
 class MetricsLogger:
@@ -84,6 +84,7 @@ PLOTS = {
     "reward": ("reward/mean", "mean reward"),
     "kl": ("kl/mean", "KL(actor || reference)"),
     "response_length": ("response/length_mean", "response tokens"),
+    "tool_calls": ("tool/call_fraction", "episodes that call a tool"),  # multi-turn runs only
 }
 
 

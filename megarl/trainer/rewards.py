@@ -11,24 +11,7 @@ import torch
 
 from megarl.config.schema import RewardTermConfig
 from megarl.rewards.base import RewardInput, check_rewards
-
-REWARD_KINDS = ("reasoning_gym", "math_verify", "format", "remote", "model")
-
-
-def build_term(term: RewardTermConfig):
-    from megarl.rewards.remote import RemoteReward
-    from megarl.rewards.rule import FormatReward, MathVerifyReward, ReasoningGymReward
-
-    if term.kind == "reasoning_gym":
-        return ReasoningGymReward(dataset_name=None, extractor=term.extractor)
-    if term.kind == "math_verify":
-        return MathVerifyReward(extractor=term.extractor)
-    if term.kind == "format":
-        return FormatReward(extractor=term.extractor)
-    if term.kind == "remote":
-        return RemoteReward(term.url, timeout_s=term.timeout_s, max_retries=term.max_retries,
-                            max_concurrency=term.max_concurrency)
-    raise ValueError(f"reward kind {term.kind!r} must be one of {', '.join(REWARD_KINDS)}")
+from megarl.rewards.terms import build_term
 
 
 class RunReward:

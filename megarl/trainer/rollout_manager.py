@@ -21,7 +21,8 @@ from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
-from megarl.rollout.remote import submit_generation
+from megarl.rollout.episodes import Trajectory
+from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.trainer.batch import RolloutBatch, build_batch
 from megarl.trainer.rewards import RunReward
@@ -42,6 +43,9 @@ class Rollout:
     version: int  # the policy weight version that generated every token (0: the initial weights)
     prompt_ids: list[int]  # the prompts' indices in the dataset, for accounting across resumes
     groups: list[list[RolloutSample]]  # the engines' samples, as a checkpoint stores them
+    # Multi-turn runs (``env``): each sample's episode, in sample order; its environment rewards
+    # are the samples' scores. None: single-turn, scored by the reward terms.
+    episodes: list[Trajectory] | None = None
 
 
 @dataclass
@@ -71,28 +75,43 @@ class RolloutManager:
         ``version`` (the fence against generating with weights other than the ones recorded)."""
         ids = self.dataset.next_ids()
         items = [self.dataset.items[i] for i in ids]
-        prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
-        calls = submit_generation(self.engines, prompts, self._sampling(index, version))
+        sampling = self._sampling(index, version)
+        if self.cfg.env is not None:
+            calls = submit_episodes(self.engines, [episode_item(item) for item in items], sampling, self.cfg)
+        else:
+            prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len,
+                                       overlong="truncate_left").ids
+            calls = submit_generation(self.engines, prompts, sampling)
         return PendingRollout(index, version, ids, calls)
 
     def collect(self, pending: PendingRollout) -> Rollout:
         """Waits for a submitted batch (``trainer.step_timeout_s``) and assembles it."""
-        groups = [g for part in wait_all(pending.calls, self.cfg.trainer.step_timeout_s, "generation") for g in part]
-        return self.assemble(pending.index, pending.version, pending.prompt_ids, groups)
+        parts = wait_all(pending.calls, self.cfg.trainer.step_timeout_s, "generation")
+        if self.cfg.env is None:
+            groups = [g for part in parts for g in part]
+            return self.assemble(pending.index, pending.version, pending.prompt_ids, groups)
+        episodes = [t for part in parts for t in part]
+        n = self.cfg.rollout.n
+        groups = [[t.sample() for t in episodes[i:i + n]] for i in range(0, len(episodes), n)]
+        return self.assemble(pending.index, pending.version, pending.prompt_ids, groups, episodes)
 
-    def assemble(self, index: int, version: int, prompt_ids: list[int], groups: list[list[RolloutSample]]
-                 ) -> Rollout:
+    def assemble(self, index: int, version: int, prompt_ids: list[int], groups: list[list[RolloutSample]],
+                 episodes: list[Trajectory] | None = None) -> Rollout:
         """A batch from the engines' samples (fresh, or read back from a checkpoint)."""
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
         inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=self.dataset.items[pid].metadata,
                               response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
                   for pid, group in zip(prompt_ids, groups, strict=True) for s in group]
-        return Rollout(batch, inputs, index, version, prompt_ids, groups)
+        return Rollout(batch, inputs, index, version, prompt_ids, groups, episodes)
 
     def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The reward of every sample [B], and each term's values for the logs."""
-        scores, parts = self.reward.score(rollout.reward_inputs, model_scores)
+        if rollout.episodes is not None:  # the environments scored their episodes
+            scores = torch.tensor([t.reward for t in rollout.episodes], dtype=torch.float32)
+            parts = {"reward/env": scores}
+        else:
+            scores, parts = self.reward.score(rollout.reward_inputs, model_scores)
         algo = self.cfg.algorithm
         if algo.overlong_buffer > 0:
             penalty = overlong_penalty(rollout.batch.response_lens, self.cfg.rollout.max_tokens,

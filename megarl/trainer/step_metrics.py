@@ -8,6 +8,7 @@ from megarl.algorithms import kl_estimate, masked_mean
 from megarl.algorithms.base import Estimate
 from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
 from megarl.config.schema import AlgorithmConfig
+from megarl.rollout.episodes import episode_metrics
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.rollout_manager import Rollout
 
@@ -44,7 +45,7 @@ def timing(phase_times: dict[str, float], batch: RolloutBatch, step_seconds: flo
     colocated, the MiB the roles moved off the device (``offloaded_bytes``; None when
     disaggregated). ``generation_seconds``: the engines' time in generate() during the step,
     summed over ``engines`` (ahead of training, part of it generates later steps' batches)."""
-    generated = float(batch.response_lens.sum())
+    generated = float(batch.mask.sum())  # the policy's tokens (an episode's observations are not generated)
     out = {f"time/{name}_s": seconds for name, seconds in phase_times.items()}
     out["time/step_s"] = step_seconds
     out["throughput/tokens_per_s"] = generated / step_seconds
@@ -63,5 +64,8 @@ ACTOR_PHASES = ("actor_logprobs", "actor_update", "weight_sync")
 def rollout_metrics(rollout: Rollout, step: int) -> dict:
     """Where the step's batch came from: its weight version, how stale, which prompts (their
     dataset ids, so a resumed run can be checked against the straight one)."""
-    return {"rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version,
-            "data/prompt_ids": list(rollout.prompt_ids)}
+    out = {"rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version,
+           "data/prompt_ids": list(rollout.prompt_ids)}
+    if rollout.episodes is not None:
+        out |= episode_metrics(rollout.episodes)
+    return out

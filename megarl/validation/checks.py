@@ -10,6 +10,7 @@ from megarl.data.prompts import instruction_problem
 from megarl.models.hf_arch import ArchError, ModelArch
 from megarl.models.layout import parallel_errors
 from megarl.platform import Platform, current_platform
+from megarl.validation.env_checks import env_ranges, env_setting_errors
 from megarl.validation.eval_checks import eval_errors, eval_ranges, eval_setting_errors
 from megarl.validation.memory import memory_saver_errors
 
@@ -129,8 +130,8 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
     from megarl.cluster.placement import placement_errors
     from megarl.rewards.extract import resolve_extractor
     from megarl.rewards.remote import url_problem
+    from megarl.rewards.terms import REWARD_KINDS
     from megarl.rollout.vllm_layout import vllm_padded_vocab
-    from megarl.trainer.rewards import REWARD_KINDS
 
     algo, rollout, data = cfg.algorithm, cfg.rollout, cfg.data
     # the algorithm's own rules and those every algorithm shares (megarl.algorithms.base.Algorithm.validate)
@@ -291,9 +292,9 @@ def range_errors(cfg: RunConfig) -> list[str]:
             (f"rewards[{i}].max_retries", term.max_retries, "[0, inf)"),
             (f"rewards[{i}].max_concurrency", term.max_concurrency, "[1, inf)"),
         ]
-    checks += eval_ranges(cfg)
+    checks += eval_ranges(cfg) + env_ranges(cfg)
     errors = [problem for field, value, interval in checks if (problem := out_of_range(field, value, interval))]
-    errors += eval_setting_errors(cfg)
+    errors += eval_setting_errors(cfg) + env_setting_errors(cfg)
     if data.source.startswith("reasoning_gym:") and data.size >= 1 and data.prompts_per_step > data.size:
         errors.append(f"data.prompts_per_step={data.prompts_per_step} is more than the data.size={data.size} "
                       "prompts generated")

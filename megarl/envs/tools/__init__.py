@@ -1,0 +1,1 @@
+"""Tools a policy can call during an episode; one module per tool, registered by name here."""

@@ -1,0 +1,43 @@
+"""vLLM's engine as a ``TurnBackend``: turns added one request at a time and stepped, so
+requests from many episodes batch together as they arrive (vLLM's continuous batching)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.rollout.episodes import FinishedTurn
+from megarl.rollout.sampling import SamplingConfig
+
+
+class VLLMTurns:
+    def __init__(self, llm: Any, tokenizer: Any, sampling: SamplingConfig):
+        self.engine = llm.llm_engine
+        self.tokenizer, self.sampling = tokenizer, sampling
+
+    def add(self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.sampling
+        params = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
+                                stop_token_ids=list(s.stop_token_ids), seed=seed, logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+
+    def step(self) -> list[FinishedTurn]:
+        finished = []
+        for output in self.engine.step():
+            if not output.finished:
+                continue
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids, strict=True)]
+            finished.append(FinishedTurn(output.request_id, ids, logprobs, completion.finish_reason == "stop"))
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,81 @@
+"""Checks of the ``env`` section (multi-turn episodes); every message names its dotted field.
+
+``env_ranges`` and ``env_setting_errors`` read the config only (they run with the other range
+checks, before any process starts); building each tool once here means a bad tool option is
+refused with its field's name, not as a traceback from inside a rollout engine.
+"""
+
+from __future__ import annotations
+
+from megarl.config.schema import RunConfig
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
+    """(field, value, interval) of every env number, for ``checks.out_of_range``."""
+    env = cfg.env
+    if env is None:
+        return []
+    return [
+        ("env.max_turns", env.max_turns, "[1, inf)"),
+        ("env.max_episode_tokens", env.max_episode_tokens, "[1, inf)"),
+        ("env.max_concurrent_episodes", env.max_concurrent_episodes, "[1, inf)"),
+        ("env.step_timeout_s", env.step_timeout_s, "(0, inf)"),
+        ("env.tool_call_reward", env.tool_call_reward, "(-inf, inf)"),
+        ("env.timeout_s", env.timeout_s, "(0, inf)"),
+        ("env.max_retries", env.max_retries, "[0, inf)"),
+        ("env.max_concurrency", env.max_concurrency, "[1, inf)"),
+    ]
+
+
+def env_setting_errors(cfg: RunConfig) -> list[str]:
+    env = cfg.env
+    if env is None:
+        return []
+    from megarl.envs.registry import ENV_KINDS
+    from megarl.envs.tool_parsers.registry import PARSERS
+
+    errors: list[str] = []
+    if env.kind not in ENV_KINDS:
+        return [f"env.kind={env.kind!r} must be one of {', '.join(ENV_KINDS)}"]
+    if env.kind == "tools":
+        errors += _tool_errors(cfg)
+        if env.tool_parser not in PARSERS:
+            errors.append(f"env.tool_parser={env.tool_parser!r} must be one of {', '.join(sorted(PARSERS))}")
+    elif env.tools:
+        errors.append(f"env.tools is set but env.kind={env.kind!r} runs no tools (use kind: tools)")
+    if env.kind == "remote":
+        from megarl.rewards.remote import url_problem
+
+        if problem := url_problem(env.url):
+            errors.append(f"env.url {problem}")
+    for i, message in enumerate(env.prelude):
+        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(
+                message.get("content"), str):
+            errors.append(f"env.prelude[{i}] must be a mapping with role ({', '.join(ROLES)}) and content text")
+    if any(term.kind == "model" for term in cfg.rewards):
+        errors.append("rewards: a model term cannot score episodes (the environment scores them with the text "
+                      "terms); remove it or env")
+    if cfg.trainer.max_staleness > 0:
+        errors.append("trainer.max_staleness > 0 with env: a checkpoint does not yet keep episodes generated "
+                      "ahead; use max_staleness: 0 with multi-turn episodes")
+    return errors
+
+
+def _tool_errors(cfg: RunConfig) -> list[str]:
+    from megarl.envs.tools.registry import TOOL_NAMES, build_tool
+
+    tools = cfg.env.tools
+    if not tools:
+        return ["env.tools is empty: kind: tools needs at least one tool (" + ", ".join(TOOL_NAMES) + ")"]
+    errors, seen = [], set()
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            errors.append(f"env.tools[{i}].name={tool.name!r} is listed twice")
+        seen.add(tool.name)
+        try:
+            build_tool(tool.name, tool.options)
+        except (ValueError, TypeError) as exc:
+            errors.append(f"env.tools[{i}]: {exc}")
+    return errors
