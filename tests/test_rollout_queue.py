@@ -131,3 +131,38 @@ def test_save_refuses_batches_in_flight(manager, tmp_path):
     queue.batches[2] = PendingRollout(2, 0, [0], calls=[])
     with pytest.raises(RuntimeError, match="drain"):
         queue.save(tmp_path)
+
+
+def test_a_buffer_of_episodes_round_trips_exactly(manager, tmp_path):
+    """Multi-turn batches keep their masks, environment rewards, turns, observations and
+    counters across a checkpoint (so a resumed env run scores and logs them as the straight one)."""
+    from megarl.rollout.episodes import Trajectory
+
+    def episode(prompt, turns, observations, reward, reason, info):
+        response, mask = [], []
+        for i, turn in enumerate(turns):
+            response += turn
+            mask += [1] * len(turn)
+            if i < len(observations):
+                response += observations[i]
+                mask += [0] * len(observations[i])
+        logprobs = [-0.5 * (i + 1) if m else 0.0 for i, m in enumerate(mask)]
+        return Trajectory(prompt, response, mask, logprobs, reason, reward, turns=turns,
+                          observations=observations, info=info)
+
+    episodes = [episode([1, 2], [[3, 4], [5]], [[9, 9, 9]], 1.2, "done", {"tool_calls": 1.0, "tool_seconds": 0.25}),
+                episode([1, 2], [[6]], [], 0.0, "length", {}),
+                episode([7], [[8], [3], [4]], [[9], [9, 9]], 0.2, "turns", {"tool_calls": 2.0, "tool_errors": 1.0}),
+                episode([7], [[5, 5]], [[9]], 0.0, "length", {"tool_calls": 1.0})]
+    queue = RolloutQueue(manager, max_staleness=1, last_step=10)
+    groups = [[t.sample() for t in episodes[:2]], [t.sample() for t in episodes[2:]]]
+    queue.batches[3] = manager.assemble(3, 1, [3, 13], groups, episodes)
+    queue.next_index = 4
+    queue.save(tmp_path)
+
+    restored = RolloutQueue(manager, max_staleness=1, last_step=10)
+    restored.load(tmp_path, queue.state_dict())
+    got = restored.batches[3]
+    assert got.episodes == episodes
+    assert got.batch.mask.equal(queue.batches[3].batch.mask)
+    assert manager.score(got)[0].tolist() == pytest.approx([1.2, 0.0, 0.2, 0.0])

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
 from megarl.trainer.rollout_manager import PendingRollout, Rollout, RolloutManager
 
@@ -92,9 +93,13 @@ class RolloutQueue:
                 f"{index}.logprobs": torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64),
                 f"{index}.logprob_lens": _ints([len(s.logprobs) for s in samples]),
             }
-            entries.append({"index": index, "version": rollout.version, "prompt_ids": rollout.prompt_ids,
-                            "group_size": len(rollout.groups[0]),
-                            "finish_reasons": [s.finish_reason for s in samples]})
+            entry = {"index": index, "version": rollout.version, "prompt_ids": rollout.prompt_ids,
+                     "group_size": len(rollout.groups[0]), "finish_reasons": [s.finish_reason for s in samples]}
+            if rollout.episodes is not None:
+                tensors |= _episode_tensors(index, rollout.episodes)
+                entry["episodes"] = [{"finish_reason": t.finish_reason, "info": t.info, "error": t.error}
+                                     for t in rollout.episodes]
+            entries.append(entry)
         save_file(tensors, str(folder / BUFFER_FILE), metadata={"batches": json.dumps(entries)})
 
     def load(self, folder: Path, state: dict) -> None:
@@ -118,9 +123,14 @@ class RolloutQueue:
                     _split(read["prompt_tokens"], read["prompt_lens"]),
                     _split(read["response_tokens"], read["response_lens"]),
                     _split(read["logprobs"], read["logprob_lens"]), entry["finish_reasons"], strict=True)]
+                episodes = None
+                if "episodes" in entry:
+                    episodes = _read_episodes(f, index, samples, entry["episodes"])
+                    samples = [t.sample() for t in episodes]
                 n = entry["group_size"]
                 groups = [samples[i:i + n] for i in range(0, len(samples), n)]
-                self.batches[index] = self.manager.assemble(index, entry["version"], entry["prompt_ids"], groups)
+                self.batches[index] = self.manager.assemble(index, entry["version"], entry["prompt_ids"], groups,
+                                                            episodes)
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -129,3 +139,37 @@ def _ints(values: list[int]) -> torch.Tensor:
 
 def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[list]:
     return [part.tolist() for part in torch.split(flat, lengths.tolist())]
+
+
+def _episode_tensors(index: int, episodes: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """What a batch of episodes adds to its samples: masks, rewards, and where turns and
+    observations begin (so metrics read back as they were)."""
+    return {
+        f"{index}.response_mask": _ints([m for t in episodes for m in t.response_mask]),
+        f"{index}.rewards": torch.tensor([t.reward for t in episodes], dtype=torch.float64),
+        f"{index}.turn_lens": _ints([len(turn) for t in episodes for turn in t.turns]),
+        f"{index}.turn_counts": _ints([len(t.turns) for t in episodes]),
+        f"{index}.observation_lens": _ints([len(o) for t in episodes for o in t.observations]),
+        f"{index}.observation_counts": _ints([len(t.observations) for t in episodes]),
+    }
+
+
+def _read_episodes(f, index: int, samples: list[RolloutSample], meta: list[dict]) -> list[Trajectory]:
+    read = {name: f.get_tensor(f"{index}.{name}") for name in
+            ("response_mask", "rewards", "turn_lens", "turn_counts", "observation_lens", "observation_counts")}
+    masks = _split(read["response_mask"], torch.tensor([len(s.response_ids) for s in samples]))
+    turn_lens = _split(read["turn_lens"], read["turn_counts"])
+    obs_lens = _split(read["observation_lens"], read["observation_counts"])
+    episodes = []
+    for i, sample in enumerate(samples):
+        # turn, observation, turn, ...: an episode has one observation fewer than turns, or as many
+        order = [x for pair in zip(turn_lens[i], [*obs_lens[i], None], strict=False) for x in pair if x is not None]
+        pieces, cursor = [], 0
+        for length in order:
+            pieces.append(sample.response_ids[cursor:cursor + length])
+            cursor += length
+        episodes.append(Trajectory(
+            sample.prompt_ids, sample.response_ids, masks[i], sample.logprobs, meta[i]["finish_reason"],
+            float(read["rewards"][i]), turns=pieces[0::2], observations=pieces[1::2],
+            info=dict(meta[i]["info"]), error=meta[i]["error"]))
+    return episodes

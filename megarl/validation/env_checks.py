@@ -57,9 +57,6 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
     if any(term.kind == "model" for term in cfg.rewards):
         errors.append("rewards: a model term cannot score episodes (the environment scores them with the text "
                       "terms); remove it or env")
-    if cfg.trainer.max_staleness > 0:
-        errors.append("trainer.max_staleness > 0 with env: a checkpoint does not yet keep episodes generated "
-                      "ahead; use max_staleness: 0 with multi-turn episodes")
     return errors
 
 
