@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from megarl.bench import async_rollout  # rollout ahead of training vs lockstep
 
     async_rollout.add_parser(bs)
+    from megarl.bench import episodes  # multi-turn episodes: overlapping tool calls vs lockstep turns
+
+    episodes.add_parser(bs)
 
 
 def run_refit_cmd(args: argparse.Namespace) -> int:
@@ -62,7 +65,7 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
 _AT_LEAST = {"train_tp": 1, "train_pp": 1, "rollout_tp": 1, "repeats": 1, "steps": 1, "rounds": 1, "threads": 1,
              "batch": 1, "seq": 1, "hidden": 1, "layers": 1, "heads": 1, "ffn": 1, "vocab": 1, "seq_len": 1,
              "micro_batch": 1, "global_batch": 1, "vocab_pad_multiple": 1, "ranks": 1, "tp": 1, "warmup": 0,
-             "staleness": 0}
+             "staleness": 0, "prompts": 1}
 _POSITIVE = ("bucket_mb", "tolerance")
 
 

