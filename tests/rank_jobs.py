@@ -148,9 +148,9 @@ def _reset_parallel_state() -> None:
 # --- GPU paths (Transformer Engine, BF16, FP8) --------------------------------------------
 
 
-def te_logits(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, dtype: str,
-              fp8: str | None = None) -> dict | None:
-    """Logits of the Transformer Engine spec model (GPU) loaded from HF weights."""
+def gpu_logits(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, dtype: str,
+               fp8: str | None = None) -> dict | None:
+    """Logits of the platform's layer spec (Transformer Engine, or local) on the GPU, from HF weights."""
     from megarl.models.forward import full_logits
     from megarl.platform import current_platform
 
@@ -160,11 +160,29 @@ def te_logits(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, dtype
         chunks = build_model_chunks(spec)
         load_hf_weights(chunks, HFReader(hf_dir), spec, info)
         names = [name for name, _ in chunks[0].named_parameters()]
-        logits = full_logits(chunks, tokens.cuda())
+        logits = full_logits(chunks, tokens.to(current_platform().rank_device()))
         if logits is None or info.tp_rank or info.dp_rank:
             return None
         return {"logits": logits[..., : arch.vocab_size], "layer_spec": current_platform().layer_spec_kind,
                 "param_names": names}
+
+
+def gpu_train_losses(hf_dir: str, tokens: torch.Tensor, dtype: str, steps: int = 3) -> list | None:
+    """Next-token loss before each of ``steps`` optimizer steps on one GPU (one rank, no parallelism)."""
+    from megarl.platform import current_platform
+
+    parallel = ParallelConfig()
+    spec = ModelSpec(arch_from_hf_dir(hf_dir), parallel, PrecisionConfig(dtype=dtype))
+    with megatron_parallel(parallel) as info:
+        raw = build_model_chunks(spec)
+        load_hf_weights(raw, HFReader(hf_dir), spec, info)
+        chunks = wrap_ddp(raw)
+        optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-3))
+        local = tokens.to(current_platform().rank_device())
+        batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
+                 "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
+        return [float(train_step(chunks, optimizer, [batch], lm_loss_fn(spec.arch.vocab_size),
+                                 logits_forward)["metrics"][0]["lm_loss"]) for _ in range(steps)]
 
 
 def fp8_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, steps: int = 3) -> list | None:

@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from megarl.bench import episodes  # multi-turn episodes: overlapping tool calls vs lockstep turns
 
     episodes.add_parser(bs)
+    from megarl.bench import mfu  # model-FLOPs utilisation of the actor's training step
+
+    mfu.add_parser(bs)
 
 
 def run_refit_cmd(args: argparse.Namespace) -> int:

@@ -60,11 +60,21 @@ def check_args(args: LogprobBenchArgs) -> None:
 
 
 def _measure(fn) -> tuple[Any, int, int]:
-    """(fn's result, peak tensor bytes allocated in fn, peak RSS rise in fn)."""
+    """(fn's result, peak tensor bytes allocated in fn, cross-check): the cross-check is the rise of
+    the CUDA caching allocator's peak on GPU (``torch.cuda.max_memory_allocated``), else the
+    process's peak-RSS rise."""
     from megarl.bench.tensor_memory import TensorMemory
     from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
 
     gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with TensorMemory() as memory:
+            result = fn()
+        torch.cuda.synchronize()
+        return result, memory.peak_bytes, max(torch.cuda.max_memory_allocated() - before, 0)
     reset_peak_rss()
     rss_before = current_rss()
     with TensorMemory() as memory:
@@ -121,13 +131,13 @@ def _naive_path(logits: torch.Tensor, tokens: torch.Tensor, weights: torch.Tenso
 PATHS = {"megarl": _megarl_path, "split": _split_path, "naive": _naive_path}
 
 
-def _warm_up(vocab: int, width: int, dtype: str, backward: bool) -> None:
+def _warm_up(vocab: int, width: int, dtype: str, backward: bool, device: torch.device) -> None:
     """Runs every path once on a few tokens: one-time lazy set-up (thread pools, kernels' first
     use) then does not land in the first measured path's RSS rise."""
-    logits = torch.randn(1, 4, width).to(getattr(torch, dtype))
-    tokens = torch.randint(0, vocab, (1, 4))
+    logits = torch.randn(1, 4, width).to(device=device, dtype=getattr(torch, dtype))
+    tokens = torch.randint(0, vocab, (1, 4)).to(device)
     for path in PATHS.values():
-        path(logits.detach().requires_grad_(backward), tokens, torch.ones(2, 1, 3), vocab, backward)
+        path(logits.detach().requires_grad_(backward), tokens, torch.ones(2, 1, 3, device=device), vocab, backward)
 
 
 def measure_case(vocab: int, padded: int, batch: int, seq: int, dtype: str, backward: bool,
@@ -138,13 +148,16 @@ def measure_case(vocab: int, padded: int, batch: int, seq: int, dtype: str, back
     """
     from megatron.core import parallel_state as ps
 
+    from megarl.platform import current_platform
+
+    device = current_platform().rank_device()
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     g = torch.Generator().manual_seed(1000 + rank)
     # Logits of a trained model's scale; this rank's shard only (the naive path gathers the rest).
-    local = (torch.randn(batch, seq, padded // tp, generator=g) * 4).to(getattr(torch, dtype))
-    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(7))
-    weights = torch.randn(2, batch, seq - 1, generator=torch.Generator().manual_seed(8))
-    _warm_up(vocab, padded // tp, dtype, backward)
+    local = (torch.randn(batch, seq, padded // tp, generator=g) * 4).to(device=device, dtype=getattr(torch, dtype))
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(7)).to(device)
+    weights = torch.randn(2, batch, seq - 1, generator=torch.Generator().manual_seed(8)).to(device)
+    _warm_up(vocab, padded // tp, dtype, backward, device)
     out: dict[str, float] = {"input_bytes": local.numel() * local.element_size()}
     results = {}
     # megarl first: a path measured later may reuse heap pages an earlier one freed, which
@@ -220,7 +233,8 @@ def format_table(result: dict[str, Any]) -> str:
     a = result["args"]
     lines = [f"log-probs + entropy of {a['batch']} x {a['seq']} tokens from TP-local {a['dtype']} logits.",
              "MiB = peak tensor storage a path allocates beyond its input logits, worst rank (outputs and",
-             "gradients included); RSS = the process's peak-RSS rise over the same block (cross-check).",
+             "gradients included); RSS = the process's peak-RSS rise over the same block (cross-check; on",
+             "GPU the rise of torch.cuda.max_memory_allocated instead).",
              "megarl = next_token_logprobs(logits, tokens, entropy=True); split = token_logprobs + token_entropy",
              "on logits[:, :-1] (two calls); naive = gather vocab + log_softmax. ratio = megarl / naive.",
              f"{'case':<24}{'logits':>8}{'naive':>9}{'megarl':>8}{'split':>8}{'ratio':>7}{'target':>7}"

@@ -39,7 +39,7 @@ def time_train_steps(arch: dict[str, Any], parallel: ParallelConfig, dtype: str,
 
     model_arch = ModelArch.from_dict(arch)
     spec = ModelSpec(model_arch, parallel, PrecisionConfig(dtype=dtype))
-    device = current_platform().device(torch.cuda.current_device() if current_platform().is_gpu else 0)
+    device = current_platform().rank_device()
     with megatron_parallel(parallel, seed=seed) as info:
         chunks = wrap_ddp(build_model_chunks(spec))
         optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-4))

