@@ -44,17 +44,18 @@ def tokenizer(smollm2):
     return AutoTokenizer.from_pretrained(smollm2)
 
 
-def _run(engine, overlap: bool = True, kind: str = "tools"):
+def _run(engine, overlap: bool = True, kind: str = "tools", url: str = "", size: int = EPISODES // 2):
     import ray
     import reasoning_gym
 
     from megarl.rollout.remote import submit_episodes
 
-    entries = reasoning_gym.create_dataset("products", size=EPISODES // 2, seed=5, min_terms=2, max_terms=2,
+    entries = reasoning_gym.create_dataset("products", size=size, seed=5, min_terms=2, max_terms=2,
                                            min_digits=2, max_digits=3)
-    items = [EpisodeItem(e["question"] + " Use the calculator tool.", {"entry": e}) for e in entries]
+    items = [EpisodeItem(e["question"] + " Use the calculator tool.", {"entry": e, "answer": e["answer"]})
+             for e in entries]
     env = EnvConfig(kind=kind, tools=[ToolConfig("calculator")] if kind == "tools" else [], prelude=PRELUDE,
-                    max_turns=3, tool_call_reward=0.2, overlap=overlap)
+                    max_turns=3, tool_call_reward=0.2, overlap=overlap, url=url, timeout_s=10, max_concurrency=4)
     cfg = RunConfig(env=env, rewards=[RewardTermConfig(kind="reasoning_gym", extractor="last_number")])
     cfg.rollout.max_tokens, cfg.rollout.max_model_len = 48, 1024
     sampling = SamplingConfig(temperature=1.0, max_tokens=48, n=2, stop_token_ids=[2], seed=11)
@@ -124,3 +125,41 @@ def test_lockstep_turns_give_the_same_kind_of_episodes(engine, episodes):
     lockstep = _run(engine, overlap=False)
     assert len(lockstep) == len(episodes)
     assert all(1 <= len(t.turns) <= 3 for t in lockstep)
+
+
+def test_a_remote_environment_drives_real_episodes(engine, tokenizer):
+    """The quiz service of ``test_remote_env.py`` over HTTP: every episode is two turns with the
+    service's question inserted as token-exact observations, the service reads each turn as the
+    engine decoded it, and the episodes of an item whose steps the service refuses end as
+    ``env_error`` while the others complete."""
+    from test_remote_env import QuizService
+
+    from megarl.rollout.episodes import episode_metrics
+
+    refused: dict[str, str] = {}
+
+    def refuse_first_item(path: str, body: dict, _count: int):
+        answer = service.episodes.get(body["episode_id"], {}).get("answer")
+        if path.endswith("/step") and answer == refused.setdefault("answer", answer):
+            return 400, b'{"error": "this item is withdrawn"}'
+        return None
+
+    service = QuizService(fault=refuse_first_item)
+    try:
+        episodes = _run(engine, kind="remote", url=service.url, size=4)
+    finally:
+        service.close()
+    failed = [t for t in episodes if t.finish_reason == "env_error"]
+    assert len(failed) == 2 and all("HTTP 400" in t.error and "withdrawn" in t.error for t in failed)
+    completed = [t for t in episodes if t.finish_reason != "env_error"]
+    assert len(completed) == 6
+    actions = sorted(body["action"] for path, body in service.calls if path.endswith("/step"))
+    decoded = [tokenizer.decode(turn, skip_special_tokens=True) for t in episodes for turn in t.turns]
+    assert actions == sorted(decoded)  # every turn reached the service as the engine decoded it
+    for t in completed:
+        assert len(t.turns) == 2 and t.finish_reason in ("done", "length")
+        assert tokenizer.decode(t.observations[0]).endswith("<|im_start|>user\nAre you sure?<|im_end|>\n"
+                                                            "<|im_start|>assistant\n")
+        assert t.reward in (0.0, 1.0) and sum(t.response_mask) == len(t.turns[0]) + len(t.turns[1])
+    metrics = episode_metrics(episodes)
+    assert metrics["env/finish_env_error"] == 0.25 and metrics["env/seconds"] > 0.0

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+ROLES = ("system", "user", "assistant", "tool")  # the chat roles an observation may take
+
 
 @dataclass(frozen=True)
 class Message:

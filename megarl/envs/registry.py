@@ -32,10 +32,11 @@ def environment_factory(env: EnvConfig, rewards: list[RewardTermConfig]) -> Call
         parser = build_parser(env.tool_parser)
         return lambda: ToolEnvironment(tools, parser, reward, env.tool_call_reward)
     if env.kind == "remote":
-        from megarl.envs.remote import RemoteEnvironment
+        from megarl.envs.remote import RemoteEnvironmentService
 
-        return lambda: RemoteEnvironment(env.url, timeout_s=env.timeout_s, max_retries=env.max_retries,
-                                         max_concurrency=env.max_concurrency)
+        service = RemoteEnvironmentService(env.url, timeout_s=env.timeout_s, max_retries=env.max_retries,
+                                           max_concurrency=env.max_concurrency)
+        return service.episode
     raise ValueError(f"env.kind {env.kind!r} must be one of {', '.join(ENV_KINDS)}")
 
 

@@ -242,6 +242,7 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
         "tool/error_fraction": (sum(t.info.get("tool_errors", 0.0) for t in trajectories)
                                 / max(sum(t.info.get("tool_calls", 0.0) for t in trajectories), 1.0)),
         "tool/seconds": sum(t.info.get("tool_seconds", 0.0) for t in trajectories),
+        "env/seconds": sum(t.info.get("env_seconds", 0.0) for t in trajectories),  # a remote service's answers
         "env/turns_mean": sum(len(t.turns) for t in trajectories) / n,
     }
     for reason in ("done", "length", "turns", "env_error"):

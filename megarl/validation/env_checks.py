@@ -8,8 +8,7 @@ refused with its field's name, not as a traceback from inside a rollout engine.
 from __future__ import annotations
 
 from megarl.config.schema import RunConfig
-
-ROLES = ("system", "user", "assistant", "tool")
+from megarl.envs.base import ROLES
 
 
 def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
@@ -46,7 +45,7 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
     elif env.tools:
         errors.append(f"env.tools is set but env.kind={env.kind!r} runs no tools (use kind: tools)")
     if env.kind == "remote":
-        from megarl.rewards.remote import url_problem
+        from megarl.utils.http_json import url_problem
 
         if problem := url_problem(env.url):
             errors.append(f"env.url {problem}")
