@@ -350,3 +350,27 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
             out[f"{name}/scores"] = (got_scores[1] - padded_scores[1]).abs().max().item()
     megatron_model.unload("pk")
     return out or None
+
+
+def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: dict, optim: dict,
+                    micro_batch_size: int = 2, ref_dir: str | None = None, settings=None) -> dict | None:
+    """One SFT / reward-model / DPO step at ``parallel`` (DPO: the reference's log-probs first, from
+    its own megatron model at the same layout); the step's metrics from the reporting rank."""
+    from megarl.workers import megatron_model, preference_fns, rl_fns
+
+    if kind == "dpo":
+        megatron_model.load("pref", ref_dir, parallel)
+        part = rl_fns.logprobs("pref", batch, micro_batch_size=micro_batch_size)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, part)
+        batch = {**batch, "ref_logprobs": rl_fns.gather_shards(parts)}
+        megatron_model.unload("pref")
+    megatron_model.load("pref", model_dir, parallel, value_head=kind == "rm")
+    try:
+        if kind == "sft":
+            return preference_fns.train_sft("pref", batch, optim, micro_batch_size)
+        if kind == "rm":
+            return preference_fns.train_reward_model("pref", batch, optim, micro_batch_size)
+        return preference_fns.train_dpo("pref", batch, settings, optim, micro_batch_size)
+    finally:
+        megatron_model.unload("pref")

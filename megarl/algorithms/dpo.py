@@ -1,0 +1,82 @@
+"""Direct preference optimisation: the policy learns from preference pairs against a frozen reference.
+
+A pair's implicit rewards are ``beta * (log pi(y|x) - log pi_ref(y|x))`` for the chosen and the
+rejected answer (log-probs summed over the answer's tokens), and ``delta`` is their difference
+over beta. Losses (``DpoSettings.loss_type``):
+
+- ``sigmoid`` (Rafailov et al. 2023): -log sigmoid(beta * delta). With ``label_smoothing`` eps > 0
+  it is conservative DPO (Mitchell 2023): the label is trusted with probability 1 - eps,
+  -(1 - eps) log sigmoid(beta * delta) - eps log sigmoid(-beta * delta);
+- ``ipo`` (Azar et al. 2023): (delta' - 1 / (2 beta))^2, where delta' uses each answer's
+  log-ratio averaged over its tokens (the length normalisation the IPO authors used; TRL's too).
+
+The loss is the mean over the step's pairs. ``sigmoid`` and ``ipo`` equal TRL's ``DPOTrainer``
+losses on the same model and batch (``tests/test_preference.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass(frozen=True)
+class DpoSettings:
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid | ipo
+    label_smoothing: float = 0.0  # conservative DPO (sigmoid only): the chance a pair's label is wrong
+
+    def problems(self, prefix: str = "dpo") -> list[str]:
+        out = []
+        if not (isinstance(self.beta, int | float) and math.isfinite(self.beta) and self.beta > 0):
+            out.append(f"{prefix}.beta must be a positive number, got {self.beta!r}")
+        if self.loss_type not in DPO_LOSSES:
+            out.append(f"{prefix}.loss_type must be one of {', '.join(DPO_LOSSES)}, got {self.loss_type!r}")
+        if not (isinstance(self.label_smoothing, int | float) and 0.0 <= self.label_smoothing < 0.5):
+            out.append(f"{prefix}.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
+        elif self.label_smoothing and self.loss_type != "sigmoid":
+            out.append(f"{prefix}.label_smoothing applies to loss_type sigmoid only")
+        return out
+
+
+@dataclass
+class PairLogprobs:
+    """Summed log-probs of each pair's answers [P] under the policy and the reference, and the
+    answers' token counts [P] (IPO's normaliser)."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    ref_chosen: torch.Tensor
+    ref_rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+def dpo_loss(pairs: PairLogprobs, settings: DpoSettings, denom: float) -> tuple[torch.Tensor, dict]:
+    """This micro-batch's share of the step's loss over ``denom`` pairs (the step's count), and
+    metrics as shares of the step's means: implicit rewards of the chosen and rejected answers,
+    their margin, and the fraction of pairs where the chosen one's is higher (``dpo/accuracy``)."""
+    chosen_ratio = pairs.chosen - pairs.ref_chosen
+    rejected_ratio = pairs.rejected - pairs.ref_rejected
+    beta = settings.beta
+    if settings.loss_type == "sigmoid":
+        delta = chosen_ratio - rejected_ratio
+        eps = settings.label_smoothing
+        per_pair = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+    else:  # ipo
+        delta = (chosen_ratio / pairs.chosen_tokens.clamp(min=1) - rejected_ratio / pairs.rejected_tokens.clamp(min=1))
+        per_pair = (delta - 1 / (2 * beta)) ** 2
+    loss = per_pair.sum() / denom
+    with torch.no_grad():
+        reward_chosen, reward_rejected = beta * chosen_ratio, beta * rejected_ratio
+        metrics = {"dpo_loss": loss.detach().clone(),
+                   "dpo/accuracy": (reward_chosen > reward_rejected).float().sum() / denom,
+                   "dpo/margin": (reward_chosen - reward_rejected).sum() / denom,
+                   "dpo/reward_chosen": reward_chosen.sum() / denom,
+                   "dpo/reward_rejected": reward_rejected.sum() / denom}
+    return loss, metrics

@@ -1,0 +1,102 @@
+"""Rank functions of supervised fine-tuning, reward-model training and DPO on a held Megatron model.
+
+They are the RL updates' machinery with another loss: the same data-parallel shards, micro-batches,
+optimizer steps, global denominators and metric combination (``megarl.workers.rl_fns``); the losses
+are pure functions in ``megarl.algorithms`` (``sft``, ``bradley_terry``, ``dpo``).
+
+Batches are dicts of tensors like the RL ones: ``tokens`` [B, L] right-padded, ``mask`` [B, L-1]
+over the label positions of completion (assistant) tokens, ``seq_lens`` [B], and ``denoms``: the
+step's global normaliser (completion tokens for SFT, pairs for RM and DPO). Preference batches
+hold each pair on consecutive rows, chosen first: row 2i is pair i's chosen answer, 2i+1 its
+rejected one, so a pair never straddles a micro-batch or a data-parallel shard (micro-batches are
+fixed, with an even ``micro_batch_size``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megarl.algorithms.base import Metric
+from megarl.algorithms.bradley_terry import bradley_terry_loss
+from megarl.algorithms.dpo import DpoSettings, PairLogprobs, dpo_loss
+from megarl.algorithms.sft import sft_loss
+from megarl.workers import rl_fns
+from megarl.workers.megatron_model import held
+
+SFT_METRICS = (Metric("sft_loss", "sum"),)
+RM_METRICS = tuple(Metric(name, "sum") for name in ("rm_loss", "rm/accuracy", "rm/margin", "rm/chosen",
+                                                    "rm/rejected"))
+DPO_METRICS = tuple(Metric(name, "sum") for name in ("dpo_loss", "dpo/accuracy", "dpo/margin",
+                                                     "dpo/reward_chosen", "dpo/reward_rejected"))
+
+
+def _check_pairs(key: str, batch: dict[str, Any], micro_batch_size: int) -> None:
+    dp = held(key).info.dp
+    rows = batch["tokens"].shape[0]
+    if micro_batch_size % 2 or rows % (2 * dp):
+        raise ValueError(f"preference pairs need an even micro_batch_size (got {micro_batch_size}) and an even "
+                         f"number of rows per data-parallel rank (got {rows} rows over {dp} ranks)")
+
+
+def _pair_rows(mb: dict[str, Any]) -> None:
+    index = mb["index"]
+    if not (torch.equal(index[0::2] % 2, torch.zeros_like(index[0::2])) and torch.equal(index[1::2], index[0::2] + 1)):
+        raise ValueError("a micro-batch split a preference pair (rows must be chosen, rejected, chosen, ...)")
+
+
+def train_sft(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
+              max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
+    """One optimizer step of the completion tokens' mean NLL (``megarl.algorithms.sft``)."""
+    from megarl.models.forward import rows_output
+
+    vocab = held(key).spec.arch.vocab_size
+
+    def loss_fn(output, mb):
+        lp = rl_fns._label_stats(rows_output(output, mb["inputs"]), mb, vocab)
+        loss, out = sft_loss(lp, mb["mask"], mb["denom"])
+        return loss * mb["scale"], out
+
+    return rl_fns._update(key, batch, optim, micro_batch_size, 1, 1, loss_fn, max_tokens_per_microbatch,
+                          pack_sequences, select=True, metrics=SFT_METRICS)
+
+
+def train_reward_model(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int):
+    """One optimizer step of the Bradley-Terry loss on the value head's score of each answer's
+    last token (``seq_lens``); ``batch["margin"]`` [B] (the pair's, on both rows) is optional."""
+    from megarl.models.forward import rows_output
+
+    _check_pairs(key, batch, micro_batch_size)
+
+    def loss_fn(output, mb):
+        _pair_rows(mb)
+        values = rows_output(output, mb["inputs"])
+        scores = values[mb["seq_row"], mb["seq_start"] + mb["seq_lens"] - 1, 0].float()
+        margin = mb["margin"][0::2] if "margin" in mb else None
+        loss, out = bradley_terry_loss(scores[0::2], scores[1::2], mb["denom"], margin)
+        return loss * mb["scale"], out
+
+    return rl_fns._update(key, batch, optim, micro_batch_size, 1, 1, loss_fn, None, False, metrics=RM_METRICS)
+
+
+def train_dpo(key: str, batch: dict[str, Any], settings: DpoSettings, optim: dict, micro_batch_size: int):
+    """One optimizer step of ``settings``' DPO loss; ``batch["ref_logprobs"]`` [B, L-1] are the
+    reference model's per-token log-probs (``rl_fns.logprobs`` of the reference group, or
+    precomputed once), summed here over each answer's ``mask``."""
+    from megarl.models.forward import rows_output
+
+    _check_pairs(key, batch, micro_batch_size)
+    vocab = held(key).spec.arch.vocab_size
+
+    def loss_fn(output, mb):
+        _pair_rows(mb)
+        lp = rl_fns._label_stats(rows_output(output, mb["inputs"]), mb, vocab)
+        mask = mb["mask"].to(lp.dtype)
+        policy, ref, tokens = (lp * mask).sum(1), (mb["ref_logprobs"] * mask).sum(1), mask.sum(1)
+        pairs = PairLogprobs(policy[0::2], policy[1::2], ref[0::2], ref[1::2], tokens[0::2], tokens[1::2])
+        loss, out = dpo_loss(pairs, settings, mb["denom"])
+        return loss * mb["scale"], out
+
+    return rl_fns._update(key, batch, optim, micro_batch_size, 1, 1, loss_fn, None, False, select=True,
+                          metrics=DPO_METRICS)

@@ -1,0 +1,172 @@
+"""SFT, reward-model (Bradley-Terry) and DPO losses of megarl's Megatron updates against TRL's
+trainers (SFTTrainer, RewardTrainer, DPOTrainer) on the same tiny model and the same batch, as
+TRL's own collator builds it, fp32, at tp1 and tp2 x pp2; plus the loss formulas by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import rank_jobs
+import torch
+from conftest import build_tiny_policy, with_smollm2_tokenizer
+
+from megarl.algorithms.bradley_terry import bradley_terry_loss
+from megarl.algorithms.dpo import DpoSettings, PairLogprobs, dpo_loss
+from megarl.config.schema import OptimizerConfig, ParallelConfig
+
+trl = pytest.importorskip("trl")
+
+LAYOUTS = [ParallelConfig(world_size=1), ParallelConfig(tp=2, pp=2, world_size=4)]
+SUMS = [(1, 2), (3, 4), (5, 6), (7, 8)]
+OPTIM = vars(OptimizerConfig(lr=1e-4))
+
+
+def _pairs() -> list[dict]:
+    return [{"prompt": f"What is {a} + {b}?", "chosen": f" {a + b}", "rejected": f" {a + b + 1}, I think"}
+            for a, b in SUMS]
+
+
+def _interleave(batch: dict) -> dict:
+    """TRL's [chosen..., rejected...] rows -> megarl's pairs on consecutive rows."""
+    n = batch["input_ids"].shape[0] // 2
+    order = [i for k in range(n) for i in (k, k + n)]
+    return {k: v[order] for k, v in batch.items()}
+
+
+def _megarl_batch(tokens: torch.Tensor, attention: torch.Tensor, completion: torch.Tensor, denom: float) -> dict:
+    # label position t predicts token t + 1: a completion token at t + 1 is trained
+    return {"tokens": tokens, "mask": completion[:, 1:].float(), "seq_lens": attention.sum(1), "denoms": [denom]}
+
+
+def _step(pools, layout: ParallelConfig, **kwargs) -> dict:
+    (out,) = [r for r in pools.get(layout.world_size).run(rank_jobs.preference_step, parallel=layout, optim=OPTIM,
+                                                          **kwargs) if r is not None]
+    return out["steps"][0]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, smollm2):
+    return build_tiny_policy(tmp_path_factory.mktemp("pref") / "policy", smollm2)
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory, smollm2, policy_dir):
+    """The policy with its weights moved: a reference that differs, so DPO's log-ratios are not 0."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    path = tmp_path_factory.mktemp("pref") / "reference"
+    model.save_pretrained(path)
+    return with_smollm2_tokenizer(path, smollm2)
+
+
+def _trl_args(cls, tmp_path, **kwargs):
+    # bf16=False: TRL's configs default to bf16, and the reference model it prepares at construction
+    # would then run under bf16 autocast (~1e-3 per token off fp32)
+    return cls(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+               bf16=False, **kwargs)
+
+
+def test_dpo_and_bradley_terry_formulas_by_hand():
+    # one pair: policy (-3, -5), reference (-4, -4), 2 and 4 answer tokens, beta 0.5
+    pairs = PairLogprobs(*(torch.tensor([v]) for v in (-3.0, -5.0, -4.0, -4.0, 2.0, 4.0)))
+    delta = (-3 + 4) - (-5 + 4)  # 2
+    loss, metrics = dpo_loss(pairs, DpoSettings(beta=0.5), denom=1)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.5 * delta)))
+    assert metrics["dpo/margin"].item() == pytest.approx(1.0) and metrics["dpo/accuracy"].item() == 1.0
+    cdpo, _ = dpo_loss(pairs, DpoSettings(beta=0.5, label_smoothing=0.1), denom=1)
+    assert cdpo.item() == pytest.approx(0.9 * math.log1p(math.exp(-1.0)) + 0.1 * math.log1p(math.exp(1.0)))
+    ipo, _ = dpo_loss(pairs, DpoSettings(beta=0.5, loss_type="ipo"), denom=1)
+    assert ipo.item() == pytest.approx((1 / 2 - (-1) / 4 - 1 / (2 * 0.5)) ** 2)
+    bt, metrics = bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]), denom=2,
+                                     margin=torch.tensor([0.5, 0.0]))
+    assert bt.item() == pytest.approx((math.log1p(math.exp(-0.5)) + math.log1p(math.exp(2.0))) / 2)
+    assert metrics["rm/accuracy"].item() == 0.5
+    assert DpoSettings(beta=0, loss_type="kto", label_smoothing=0.7).problems() == [
+        "dpo.beta must be a positive number, got 0", "dpo.loss_type must be one of sigmoid, ipo, got 'kto'",
+        "dpo.label_smoothing must be in [0, 0.5), got 0.7"]
+
+
+@pytest.mark.parametrize("loss_type,layout", [("sigmoid", LAYOUTS[0]), ("ipo", LAYOUTS[0]), ("sigmoid", LAYOUTS[1])],
+                         ids=["sigmoid-tp1", "ipo-tp1", "sigmoid-tp2pp2"])
+def test_dpo_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, loss_type, layout):
+    import transformers
+    from datasets import Dataset
+
+    policy = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(policy_dir)
+    trainer = trl.DPOTrainer(model=policy, ref_model=ref, processing_class=tokenizer,
+                             args=_trl_args(trl.DPOConfig, tmp_path, beta=0.5, loss_type=[loss_type]),
+                             train_dataset=Dataset.from_list(_pairs()))
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, dict(batch)).item()
+    rows = _interleave(batch)
+    ours = _step(pools, layout, kind="dpo", model_dir=str(policy_dir), ref_dir=str(reference_dir),
+                 settings=DpoSettings(beta=0.5, loss_type=loss_type),
+                 batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["completion_mask"], 4))
+    assert ours["dpo_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
+    assert 0.0 <= ours["dpo/accuracy"] <= 1.0 and ours["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])
+def test_sft_loss_equals_trl(pools, tmp_path, policy_dir, layout):
+    import transformers
+    from datasets import Dataset
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(policy_dir)
+    data = [{"prompt": p["prompt"], "completion": p["chosen"] + " is the sum" * (i % 3)} for i, p in
+            enumerate(_pairs())]  # answers of different lengths: the mean is over tokens, not answers
+    trainer = trl.SFTTrainer(model=model, processing_class=tokenizer, train_dataset=Dataset.from_list(data),
+                             args=_trl_args(trl.SFTConfig, tmp_path))
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, dict(batch)).item()
+    completion = (batch["labels"] != -100).long()
+    ours = _step(pools, layout, kind="sft", model_dir=str(policy_dir),
+                 batch=_megarl_batch(batch["input_ids"], batch["attention_mask"], completion,
+                                     float(completion[:, 1:].sum())))
+    assert ours["sft_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory, smollm2, policy_dir):
+    """The tiny policy's backbone with a one-output score head (an HF sequence classifier); pad
+    id 0, not EOS, so transformers scores the EOS ending each answer, as megarl does."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(policy_dir, num_labels=1, pad_token_id=0)
+    torch.manual_seed(3)
+    model = transformers.LlamaForSequenceClassification.from_pretrained(policy_dir, config=config,
+                                                                       dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(std=0.5)
+    path = tmp_path_factory.mktemp("pref") / "reward"
+    model.save_pretrained(path)
+    return with_smollm2_tokenizer(path, smollm2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])
+def test_reward_model_loss_equals_trl(pools, tmp_path, reward_dir, layout):
+    import transformers
+    from datasets import Dataset
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(reward_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reward_dir)
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
+    trainer = trl.RewardTrainer(model=model, processing_class=tokenizer, train_dataset=Dataset.from_list(_pairs()),
+                                args=_trl_args(trl.RewardConfig, tmp_path))
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, dict(batch)).item()
+    rows = _interleave({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+    ours = _step(pools, layout, kind="rm", model_dir=str(reward_dir),
+                 batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["attention_mask"], 4))
+    assert ours["rm_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
