@@ -367,10 +367,8 @@ def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: 
         megatron_model.unload("pref")
     megatron_model.load("pref", model_dir, parallel, value_head=kind == "rm")
     try:
-        if kind == "sft":
-            return preference_fns.train_sft("pref", batch, optim, micro_batch_size)
-        if kind == "rm":
-            return preference_fns.train_reward_model("pref", batch, optim, micro_batch_size)
-        return preference_fns.train_dpo("pref", batch, settings, optim, micro_batch_size)
+        fn = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_model,
+              "dpo": preference_fns.train_dpo}[kind]
+        return fn("pref", batch, settings, optim, micro_batch_size)
     finally:
         megatron_model.unload("pref")

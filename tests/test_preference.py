@@ -12,8 +12,9 @@ import torch
 from conftest import build_tiny_policy, with_smollm2_tokenizer
 
 from megarl.algorithms.bradley_terry import bradley_terry_loss
-from megarl.algorithms.dpo import DpoSettings, PairLogprobs, dpo_loss
+from megarl.algorithms.dpo import PairLogprobs, dpo_loss
 from megarl.config.schema import OptimizerConfig, ParallelConfig
+from megarl.config.supervised import DpoConfig
 
 trl = pytest.importorskip("trl")
 
@@ -76,18 +77,18 @@ def test_dpo_and_bradley_terry_formulas_by_hand():
     # one pair: policy (-3, -5), reference (-4, -4), 2 and 4 answer tokens, beta 0.5
     pairs = PairLogprobs(*(torch.tensor([v]) for v in (-3.0, -5.0, -4.0, -4.0, 2.0, 4.0)))
     delta = (-3 + 4) - (-5 + 4)  # 2
-    loss, metrics = dpo_loss(pairs, DpoSettings(beta=0.5), denom=1)
+    loss, metrics = dpo_loss(pairs, DpoConfig(beta=0.5), denom=1)
     assert loss.item() == pytest.approx(math.log1p(math.exp(-0.5 * delta)))
     assert metrics["dpo/margin"].item() == pytest.approx(1.0) and metrics["dpo/accuracy"].item() == 1.0
-    cdpo, _ = dpo_loss(pairs, DpoSettings(beta=0.5, label_smoothing=0.1), denom=1)
+    cdpo, _ = dpo_loss(pairs, DpoConfig(beta=0.5, label_smoothing=0.1), denom=1)
     assert cdpo.item() == pytest.approx(0.9 * math.log1p(math.exp(-1.0)) + 0.1 * math.log1p(math.exp(1.0)))
-    ipo, _ = dpo_loss(pairs, DpoSettings(beta=0.5, loss_type="ipo"), denom=1)
+    ipo, _ = dpo_loss(pairs, DpoConfig(beta=0.5, loss_type="ipo"), denom=1)
     assert ipo.item() == pytest.approx((1 / 2 - (-1) / 4 - 1 / (2 * 0.5)) ** 2)
     bt, metrics = bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]), denom=2,
                                      margin=torch.tensor([0.5, 0.0]))
     assert bt.item() == pytest.approx((math.log1p(math.exp(-0.5)) + math.log1p(math.exp(2.0))) / 2)
     assert metrics["rm/accuracy"].item() == 0.5
-    assert DpoSettings(beta=0, loss_type="kto", label_smoothing=0.7).problems() == [
+    assert DpoConfig(beta=0, loss_type="kto", label_smoothing=0.7).problems() == [
         "dpo.beta must be a positive number, got 0", "dpo.loss_type must be one of sigmoid, ipo, got 'kto'",
         "dpo.label_smoothing must be in [0, 0.5), got 0.7"]
 
@@ -109,7 +110,7 @@ def test_dpo_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, loss_ty
         expected = trainer.compute_loss(trainer.model, dict(batch)).item()
     rows = _interleave(batch)
     ours = _step(pools, layout, kind="dpo", model_dir=str(policy_dir), ref_dir=str(reference_dir),
-                 settings=DpoSettings(beta=0.5, loss_type=loss_type),
+                 settings=DpoConfig(beta=0.5, loss_type=loss_type),
                  batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["completion_mask"], 4))
     assert ours["dpo_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
     assert 0.0 <= ours["dpo/accuracy"] <= 1.0 and ours["grad_norm"] > 0

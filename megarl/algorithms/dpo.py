@@ -2,7 +2,7 @@
 
 A pair's implicit rewards are ``beta * (log pi(y|x) - log pi_ref(y|x))`` for the chosen and the
 rejected answer (log-probs summed over the answer's tokens), and ``delta`` is their difference
-over beta. Losses (``DpoSettings.loss_type``):
+over beta. Losses (``DpoConfig.loss_type``):
 
 - ``sigmoid`` (Rafailov et al. 2023): -log sigmoid(beta * delta). With ``label_smoothing`` eps > 0
   it is conservative DPO (Mitchell 2023): the label is trusted with probability 1 - eps,
@@ -16,32 +16,12 @@ losses on the same model and batch (``tests/test_preference.py``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-DPO_LOSSES = ("sigmoid", "ipo")
-
-
-@dataclass(frozen=True)
-class DpoSettings:
-    beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid | ipo
-    label_smoothing: float = 0.0  # conservative DPO (sigmoid only): the chance a pair's label is wrong
-
-    def problems(self, prefix: str = "dpo") -> list[str]:
-        out = []
-        if not (isinstance(self.beta, int | float) and math.isfinite(self.beta) and self.beta > 0):
-            out.append(f"{prefix}.beta must be a positive number, got {self.beta!r}")
-        if self.loss_type not in DPO_LOSSES:
-            out.append(f"{prefix}.loss_type must be one of {', '.join(DPO_LOSSES)}, got {self.loss_type!r}")
-        if not (isinstance(self.label_smoothing, int | float) and 0.0 <= self.label_smoothing < 0.5):
-            out.append(f"{prefix}.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
-        elif self.label_smoothing and self.loss_type != "sigmoid":
-            out.append(f"{prefix}.label_smoothing applies to loss_type sigmoid only")
-        return out
+from megarl.config.supervised import DpoConfig
 
 
 @dataclass
@@ -57,7 +37,7 @@ class PairLogprobs:
     rejected_tokens: torch.Tensor
 
 
-def dpo_loss(pairs: PairLogprobs, settings: DpoSettings, denom: float) -> tuple[torch.Tensor, dict]:
+def dpo_loss(pairs: PairLogprobs, settings: DpoConfig, denom: float) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the step's loss over ``denom`` pairs (the step's count), and
     metrics as shares of the step's means: implicit rewards of the chosen and rejected answers,
     their margin, and the fraction of pairs where the chosen one's is higher (``dpo/accuracy``)."""

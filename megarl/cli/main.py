@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megarl.cli import plan as plan_cli  # megarl plan: layouts that fit
 
     plan_cli.add_parser(sub)
+    from megarl.cli import supervised  # megarl sft / rm / dpo: the supervised stages
+
+    supervised.add_parsers(sub)
     return parser
 
 

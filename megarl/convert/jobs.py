@@ -86,13 +86,15 @@ def mcore_to_hf(ckpt_dir: str, out_dir: str, parallel: ParallelConfig,
         if writer is not None:
             writer.close()
             copy_side_files(Path(ckpt_dir) / HF_DIR, out_dir)
-            _set_config_dtype(Path(out_dir) / "config.json", dtype or spec.precision.dtype)
+            _set_config_dtype(Path(out_dir) / "config.json", dtype or spec.precision.dtype, spec.value_head)
         dist.barrier()
         weights = _weights_bytes(chunks)
     return memory.stats(weights, bytes_written=writer.bytes_written if writer else 0)
 
 
-def _set_config_dtype(config_path: Path, dtype: str) -> None:
+def _set_config_dtype(config_path: Path, dtype: str, value_head: bool = False) -> None:
+    """The exported config's dtype; a value-head model (reward model, critic) becomes the family's
+    sequence classifier with one label, which is how transformers and vLLM load a score head."""
     import json
 
     from megarl.utils.atomic import write_text_atomic
@@ -101,6 +103,13 @@ def _set_config_dtype(config_path: Path, dtype: str) -> None:
         cfg = json.loads(config_path.read_text())
         cfg["dtype"] = dtype
         cfg.pop("torch_dtype", None)
+        if value_head:
+            cfg["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification")
+                                    for a in cfg.get("architectures") or []]
+            cfg["num_labels"], cfg["id2label"], cfg["label2id"] = 1, {"0": "LABEL_0"}, {"LABEL_0": 0}
+            if cfg.get("pad_token_id") is None and isinstance(cfg.get("eos_token_id"), int):
+                # transformers scores a sequence's last token that is not padding: padding must be set
+                cfg["pad_token_id"] = cfg["eos_token_id"]
         write_text_atomic(config_path, json.dumps(cfg, indent=2))
 
 

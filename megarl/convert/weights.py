@@ -35,11 +35,17 @@ def canonical_parameters(chunks: list, spec: ModelSpec, info: RankInfo) -> Itera
             yield canonical_name(name, global_layer, info.ep_rank, experts_per_rank), param
 
 
-def load_hf_weights(chunks: list, reader: HFReader, spec: ModelSpec, info: RankInfo) -> int:
-    """Fills every parameter of ``chunks`` from the HF checkpoint; returns the count loaded."""
+def load_hf_weights(chunks: list, reader: HFReader, spec: ModelSpec, info: RankInfo,
+                    new_value_head: bool = False) -> int:
+    """Fills every parameter of ``chunks`` from the HF checkpoint; returns the count loaded.
+    ``new_value_head``: a value head the checkpoint lacks (a language model becoming a reward
+    model or critic) keeps its initialisation instead of failing."""
     layout = shard_layout(spec, info)
     count = 0
+    fresh_head = new_value_head and spec.value_head and "score.weight" not in reader.names()
     for name, param in canonical_parameters(chunks, spec, info):
+        if fresh_head and name == "output_layer.weight":
+            continue  # megarl.models.value_head: normal(0, 0.02), the same on every rank (shared seed)
         rec = recipe(spec.arch, name, layout, value_head=spec.value_head)
         if tuple(param.shape) != rec.shape:
             raise ValueError(f"parameter {name}: megatron shard shape {list(param.shape)} != "

@@ -8,7 +8,6 @@ every row and name the file and line of the first bad one, before training start
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from megarl.config.schema import DataConfig
 from megarl.data.dataset import PromptDataset
+from megarl.data.jsonl import jsonl_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -89,26 +89,8 @@ def load_jsonl(path: str | Path, prompt_key: str | None = "prompt", messages_key
     """One item per non-blank line. ``messages_key`` (set ``prompt_key=None``) reads chat
     messages instead of text; ``metadata_keys=None`` keeps every other field as metadata."""
     _check_keys(prompt_key, messages_key)
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    items = []
-    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is named by its number
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{where}: not UTF-8 (byte 0x{exc.object[exc.start]:02x})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            except RecursionError:
-                raise ValueError(f"{where}: JSON nested too deeply") from None
-            items.append(_row_to_item(row, where, prompt_key, messages_key, metadata_keys))
+    items = [_row_to_item(row, where, prompt_key, messages_key, metadata_keys)
+             for where, row in jsonl_rows(path, "prompt file")]
     if not items:
         raise ValueError(f"prompt file {path} has no rows")
     return items

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 CONSOLE_KEYS = ("reward/mean", "kl/mean", "entropy/mean", "actor/clip_fraction", "response/length_mean",
-                "tool/call_fraction", "time/step_s", "throughput/tokens_per_s")
+                "tool/call_fraction", "model/sft_loss", "model/rm_loss", "model/dpo_loss", "eval/heldout/loss",
+                "time/step_s", "throughput/tokens_per_s")
 
 
 class MetricsLogger:
@@ -85,6 +86,11 @@ PLOTS = {
     "kl": ("kl/mean", "KL(actor || reference)"),
     "response_length": ("response/length_mean", "response tokens"),
     "tool_calls": ("tool/call_fraction", "episodes that call a tool"),  # multi-turn runs only
+    # the supervised stages (megarl sft / rm / dpo)
+    "sft_loss": ("model/sft_loss", "SFT loss (completion tokens)"),
+    "rm_loss": ("model/rm_loss", "reward-model loss (Bradley-Terry)"),
+    "dpo_loss": ("model/dpo_loss", "DPO loss"),
+    "heldout_loss": ("eval/heldout/loss", "held-out loss"),
 }
 
 

@@ -15,10 +15,11 @@ from megarl.workers import checkpoint_fns, megatron_model, offload_fns, rl_fns
 
 class MegatronRole:
     def __init__(self, name: str, cfg: RoleConfig, group, source: str, timeout_s: float,
-                 value_head: bool = False):
+                 value_head: bool = False, new_value_head: bool = False):
         self.name, self.cfg, self.group, self.source = name, cfg, group, source
         self.timeout_s = timeout_s
         self.value_head = value_head
+        self.new_value_head = new_value_head  # a language model's source: the head starts from its init
 
     def _run(self, fn, **kwargs) -> list:
         return self.group.run(fn, timeout_s=self.timeout_s, **kwargs)
@@ -33,7 +34,7 @@ class MegatronRole:
         """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
         self._run(megatron_model.load, key=self.name, source=self.source, parallel=self.cfg.parallel,
                   dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes,
-                  recompute=asdict(self.cfg.recompute))
+                  recompute=asdict(self.cfg.recompute), new_value_head=self.new_value_head)
 
     def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Any:
         return rl_fns.gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from megarl.config.loader import ConfigError
-from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, PrecisionConfig, RunConfig
+from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, PrecisionConfig, RoleConfig, RunConfig
 from megarl.data.prompts import instruction_problem
 from megarl.models.hf_arch import ArchError, ModelArch
 from megarl.models.layout import parallel_errors
@@ -63,45 +63,19 @@ def batching_errors(cfg: RunConfig, name: str, arch: ModelArch, platform: Platfo
 
 def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, ModelArch]:
     """Checks every role; returns each role's architecture. Raises ConfigError listing all problems."""
-    from megarl.convert.checkpoint import read_model_arch  # reads HF dirs and megarl checkpoints
 
     platform = platform or current_platform()
     # Ranges first, and alone: the checks below divide by sizes and step counts, and would only
     # restate an out-of-range value as a layout or batch problem.
-    _refuse(range_errors(cfg) + output_dir_errors(cfg.output_dir))
+    refuse(range_errors(cfg) + output_dir_errors(cfg.output_dir))
     errors: list[str] = []
     archs: dict[str, ModelArch] = {}
     for name, role in cfg.roles().items():
-        if not role.model.path:
-            errors.append(f"{name}.model.path is not set")
+        arch, role_errors = role_model_errors(name, role, platform)
+        errors += role_errors
+        if arch is None:
             continue
-        try:
-            arch = read_model_arch(role.model.path)
-        except (ArchError, ConfigError, OSError) as e:
-            if not role.model.arch:
-                errors.append(f"{name}.model.path: {e}")
-                continue
-            arch = None
-            path_error = e
-        if role.model.arch:
-            from megarl.plan.archs import load_arch  # ships architectures of models not on this machine
-
-            try:
-                declared = load_arch(role.model.arch)
-            except (ArchError, OSError) as e:
-                errors.append(f"{name}.model.arch: {e}" if arch is not None else
-                              f"{name}.model.path: {path_error}; and {name}.model.arch: {e}")
-                continue
-            if arch is not None and arch.mismatches(declared):
-                errors.append(f"{name}.model.arch={role.model.arch!r} does not match {name}.model.path: "
-                              + "; ".join(arch.mismatches(declared)))
-                continue
-            arch = arch or declared
-        else:
-            errors += weights_errors(name, role.model.path, arch)
         archs[name] = arch
-        errors += parallel_errors(arch, role.parallel, f"{name}.parallel")
-        errors += precision_errors(role.precision, f"{name}.precision", platform)
         errors += batching_errors(cfg, name, arch, platform)
         errors += memory_saver_errors(arch, role, name)  # recompute, optimizer CPU offload
         if role.model.vocab_pad_multiple < 1:
@@ -111,11 +85,45 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += rollout_fit_errors(cfg, archs["actor"], platform)
         if not errors:  # reads the whole dataset: only once the rest is known to be sound
             errors += data_errors(cfg) + eval_errors(cfg)
-    _refuse(errors)
+    refuse(errors)
     return archs
 
 
-def _refuse(errors: list[str]) -> None:
+def role_model_errors(name: str, role: RoleConfig, platform: Platform) -> tuple[ModelArch | None, list[str]]:
+    """A role's architecture (from its model path, or its declared ``model.arch``) and the problems
+    of its model, layout and precision; the architecture is None when it cannot be read."""
+    from megarl.convert.checkpoint import read_model_arch  # reads HF dirs and megarl checkpoints
+
+    errors: list[str] = []
+    if not role.model.path:
+        return None, [f"{name}.model.path is not set"]
+    try:
+        arch = read_model_arch(role.model.path)
+    except (ArchError, ConfigError, OSError) as e:
+        if not role.model.arch:
+            return None, [f"{name}.model.path: {e}"]
+        arch = None
+        path_error = e
+    if role.model.arch:
+        from megarl.plan.archs import load_arch  # ships architectures of models not on this machine
+
+        try:
+            declared = load_arch(role.model.arch)
+        except (ArchError, OSError) as e:
+            return None, [f"{name}.model.arch: {e}" if arch is not None else
+                          f"{name}.model.path: {path_error}; and {name}.model.arch: {e}"]
+        if arch is not None and arch.mismatches(declared):
+            return None, [f"{name}.model.arch={role.model.arch!r} does not match {name}.model.path: "
+                          + "; ".join(arch.mismatches(declared))]
+        arch = arch or declared
+    else:
+        errors += weights_errors(name, role.model.path, arch)
+    errors += parallel_errors(arch, role.parallel, f"{name}.parallel")
+    errors += precision_errors(role.precision, f"{name}.precision", platform)
+    return arch, errors
+
+
+def refuse(errors: list[str]) -> None:
     if len(errors) == 1:  # one problem, one line
         raise ConfigError(f"invalid configuration: {errors[0]}")
     if errors:

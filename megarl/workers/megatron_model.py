@@ -42,9 +42,11 @@ def held(key: str) -> HeldModel:
 
 
 def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32", value_head: bool = False,
-         seed: int = 1234, timeout_minutes: int = 30, recompute: dict | RecomputeConfig | None = None) -> dict:
+         seed: int = 1234, timeout_minutes: int = 30, recompute: dict | RecomputeConfig | None = None,
+         new_value_head: bool = False) -> dict:
     """Builds the model at ``parallel`` and fills it from an HF folder or a megarl checkpoint;
-    ``recompute`` is the role's activation recompute (a RecomputeConfig or its asdict)."""
+    ``recompute`` is the role's activation recompute (a RecomputeConfig or its asdict);
+    ``new_value_head`` lets a value head that an HF language model lacks start from its init."""
     from megarl.convert.checkpoint import is_megarl_checkpoint, load_model
     from megarl.convert.hf_io import HFReader
     from megarl.convert.jobs import spec_from_checkpoint
@@ -69,7 +71,7 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
                              recompute=recompute)
             chunks = build_model_chunks(spec)
             reader = HFReader(path)
-            load_hf_weights(chunks, reader, spec, info)
+            load_hf_weights(chunks, reader, spec, info, new_value_head=new_value_head)
             reader.close()
     except BaseException:
         context.__exit__(None, None, None)

@@ -20,8 +20,9 @@ import torch
 
 from megarl.algorithms.base import Metric
 from megarl.algorithms.bradley_terry import bradley_terry_loss
-from megarl.algorithms.dpo import DpoSettings, PairLogprobs, dpo_loss
+from megarl.algorithms.dpo import PairLogprobs, dpo_loss
 from megarl.algorithms.sft import sft_loss
+from megarl.config.supervised import DpoConfig
 from megarl.workers import rl_fns
 from megarl.workers.megatron_model import held
 
@@ -32,7 +33,11 @@ DPO_METRICS = tuple(Metric(name, "sum") for name in ("dpo_loss", "dpo/accuracy",
                                                      "dpo/reward_chosen", "dpo/reward_rejected"))
 
 
-def _check_pairs(key: str, batch: dict[str, Any], micro_batch_size: int) -> None:
+def _check_pairs(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens: int | None,
+                 pack: bool) -> None:
+    if max_tokens is not None or pack:
+        raise ValueError("preference pairs train on fixed micro-batches: max_tokens_per_microbatch and "
+                         "pack_sequences would split or reorder pairs")
     dp = held(key).info.dp
     rows = batch["tokens"].shape[0]
     if micro_batch_size % 2 or rows % (2 * dp):
@@ -46,9 +51,11 @@ def _pair_rows(mb: dict[str, Any]) -> None:
         raise ValueError("a micro-batch split a preference pair (rows must be chosen, rejected, chosen, ...)")
 
 
-def train_sft(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int,
-              max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False):
-    """One optimizer step of the completion tokens' mean NLL (``megarl.algorithms.sft``)."""
+def train_sft(key: str, batch: dict[str, Any], algo: None, optim: dict, micro_batch_size: int,
+              max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+              share_prompt: bool = False):
+    """One optimizer step of the completion tokens' mean NLL (``megarl.algorithms.sft``); ``algo``
+    (no settings) and ``share_prompt`` (a policy-sampling saving) are there for the common call."""
     from megarl.models.forward import rows_output
 
     vocab = held(key).spec.arch.vocab_size
@@ -62,12 +69,14 @@ def train_sft(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: in
                           pack_sequences, select=True, metrics=SFT_METRICS)
 
 
-def train_reward_model(key: str, batch: dict[str, Any], optim: dict, micro_batch_size: int):
+def train_reward_model(key: str, batch: dict[str, Any], algo: None, optim: dict, micro_batch_size: int,
+                       max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+                       share_prompt: bool = False):
     """One optimizer step of the Bradley-Terry loss on the value head's score of each answer's
     last token (``seq_lens``); ``batch["margin"]`` [B] (the pair's, on both rows) is optional."""
     from megarl.models.forward import rows_output
 
-    _check_pairs(key, batch, micro_batch_size)
+    _check_pairs(key, batch, micro_batch_size, max_tokens_per_microbatch, pack_sequences)
 
     def loss_fn(output, mb):
         _pair_rows(mb)
@@ -80,13 +89,16 @@ def train_reward_model(key: str, batch: dict[str, Any], optim: dict, micro_batch
     return rl_fns._update(key, batch, optim, micro_batch_size, 1, 1, loss_fn, None, False, metrics=RM_METRICS)
 
 
-def train_dpo(key: str, batch: dict[str, Any], settings: DpoSettings, optim: dict, micro_batch_size: int):
-    """One optimizer step of ``settings``' DPO loss; ``batch["ref_logprobs"]`` [B, L-1] are the
+def train_dpo(key: str, batch: dict[str, Any], algo: DpoConfig, optim: dict, micro_batch_size: int,
+              max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+              share_prompt: bool = False):
+    """One optimizer step of ``algo``'s DPO loss; ``batch["ref_logprobs"]`` [B, L-1] are the
     reference model's per-token log-probs (``rl_fns.logprobs`` of the reference group, or
     precomputed once), summed here over each answer's ``mask``."""
     from megarl.models.forward import rows_output
 
-    _check_pairs(key, batch, micro_batch_size)
+    settings = algo
+    _check_pairs(key, batch, micro_batch_size, max_tokens_per_microbatch, pack_sequences)
     vocab = held(key).spec.arch.vocab_size
 
     def loss_fn(output, mb):

@@ -1,0 +1,78 @@
+"""Typed configs of the supervised stages: ``megarl sft``, ``megarl rm`` and ``megarl dpo``.
+
+One recipe shape for the three: the trained ``model`` (a role: source, layout, optimizer,
+micro-batches), the ``reference`` for DPO (its own layout; default: the model's source at the
+model's layout), ``data`` (a JSONL file or a reasoning-gym task, see ``megarl.data.supervised``)
+and ``trainer`` (steps, evaluation, checkpoints). ``stage`` is set by the command.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megarl.config.schema import RoleConfig
+
+STAGES = ("sft", "rm", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass
+class DpoConfig:
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid | ipo
+    label_smoothing: float = 0.0  # conservative DPO (sigmoid only): the chance a pair's label is wrong
+
+    def problems(self, prefix: str = "dpo") -> list[str]:
+        out = []
+        if isinstance(self.beta, bool) or not (isinstance(self.beta, int | float) and math.isfinite(self.beta)
+                                               and self.beta > 0):
+            out.append(f"{prefix}.beta must be a positive number, got {self.beta!r}")
+        if self.loss_type not in DPO_LOSSES:
+            out.append(f"{prefix}.loss_type must be one of {', '.join(DPO_LOSSES)}, got {self.loss_type!r}")
+        if not (isinstance(self.label_smoothing, int | float) and 0.0 <= self.label_smoothing < 0.5):
+            out.append(f"{prefix}.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
+        elif self.label_smoothing and self.loss_type != "sigmoid":
+            out.append(f"{prefix}.label_smoothing applies to loss_type sigmoid only")
+        return out
+
+
+@dataclass
+class SupervisedDataConfig:
+    # a JSONL file of records, or "reasoning_gym:<task>" (records generated from the task)
+    train: str = "reasoning_gym:basic_arithmetic"
+    # held-out records, same forms; empty: the last eval_size records of train are held out
+    eval: str = ""
+    eval_size: int = 64
+    max_len: int = 512  # tokens per sequence; a longer record is refused, not cut
+    batch_size: int = 16  # sequences (sft) or pairs (rm, dpo) per optimizer step
+    seed: int = 0  # the order of examples in each epoch
+    # reasoning-gym sources only
+    size: int = 512
+    task_config: dict = field(default_factory=dict)
+    instruction: str = ""  # template with {question}; empty: the package default
+
+
+@dataclass
+class SupervisedTrainerConfig:
+    steps: int = 0  # optimizer steps; 0: epochs x (train examples // batch_size)
+    epochs: int = 1
+    eval_every: int = 0  # steps between held-out evaluations (0: before the first and after the last)
+    checkpoint_every: int = 0  # steps between checkpoints (0: after the last only)
+    resume: str = "auto"  # auto: continue from output_dir's latest checkpoint | never
+    tensorboard: bool = True
+    step_timeout_s: float = 1800.0
+    collective_timeout_s: float = 600.0
+
+
+@dataclass
+class SupervisedConfig:
+    stage: str = ""  # sft | rm | dpo: the command sets it (a recipe that names one refuses the others)
+    name: str = "megarl-supervised"
+    output_dir: str = "runs/supervised"
+    seed: int = 1234
+    model: RoleConfig = field(default_factory=RoleConfig)
+    reference: RoleConfig | None = None  # dpo: None is the model's source at the model's layout
+    data: SupervisedDataConfig = field(default_factory=SupervisedDataConfig)
+    trainer: SupervisedTrainerConfig = field(default_factory=SupervisedTrainerConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)

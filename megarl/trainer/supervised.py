@@ -1,0 +1,235 @@
+"""The supervised stages' loop: SFT, reward-model training and DPO on megatron-core groups.
+
+One loop for the three (the stage picks the rank update and the held-out measure); the data,
+micro-batching, optimizer, checkpoints, metrics and resume are the RL trainer's. Every record is
+read and tokenized before any process starts, so bad data fails with its file and line first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.algorithms.bradley_terry import bradley_terry_loss
+from megarl.algorithms.dpo import PairLogprobs, dpo_loss
+from megarl.config.supervised import SupervisedConfig
+from megarl.data.supervised import PairExample, SftExample, batch_indices, collate, load_examples, pair_batch
+from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.roles import MegatronRole
+from megarl.workers import preference_fns, rl_fns
+
+UPDATES = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_model, "dpo": preference_fns.train_dpo}
+
+
+@dataclass
+class StageData:
+    train: list[SftExample] | list[PairExample]
+    eval: list[SftExample] | list[PairExample]
+    pad_id: int
+
+
+def load_stage_data(cfg: SupervisedConfig, tokenizer: Any) -> StageData:
+    """The train and held-out examples, tokenized; raises DataError naming a bad record."""
+    from megarl.data.supervised import DataError
+
+    d = cfg.data
+
+    def load(source: str, size: int) -> list:
+        return load_examples(source, cfg.stage, tokenizer, d.max_len, size=size, seed=d.seed,
+                             instruction=d.instruction, task_config=d.task_config)
+
+    train = load(d.train, d.size)
+    if d.eval:
+        held_out = load(d.eval, d.eval_size)
+    else:
+        held_out, train = train[len(train) - d.eval_size:] if d.eval_size else [], train[:len(train) - d.eval_size]
+    if len(train) < d.batch_size:
+        raise DataError(f"data.train: {len(train)} training examples (after holding out {len(held_out)}) are fewer "
+                        f"than data.batch_size={d.batch_size}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return StageData(train, held_out, int(pad))
+
+
+def total_steps(cfg: SupervisedConfig, examples: int) -> int:
+    return cfg.trainer.steps or cfg.trainer.epochs * (examples // cfg.data.batch_size)
+
+
+def rows_per_example(cfg: SupervisedConfig) -> int:
+    return 1 if cfg.stage == "sft" else 2
+
+
+def make_batch(cfg: SupervisedConfig, examples: list, pad_id: int) -> dict[str, Any]:
+    """The rank batch of ``examples`` with the step's normaliser (completion tokens, or pairs)."""
+    if cfg.stage == "sft":
+        batch = collate([e.seq for e in examples], pad_id)
+        batch["denoms"] = [float(batch["mask"].sum())]
+    else:
+        batch = pair_batch(examples, pad_id)
+        batch["denoms"] = [float(len(examples))]
+    return batch
+
+
+class SupervisedRun:
+    def __init__(self, cfg: SupervisedConfig, data: StageData):
+        self.cfg, self.data = cfg, data
+        self.run_dir = Path(cfg.output_dir)
+        self.roles: dict[str, MegatronRole] = {}
+        self.checkpoints = CheckpointManager(self.run_dir)
+        self._eval_reference: list[torch.Tensor] | None = None  # DPO: the frozen reference's, once
+
+    def __enter__(self) -> SupervisedRun:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> SupervisedRun:
+        from megarl.cluster.ray_env import ensure_ray
+
+        ensure_ray()
+        try:
+            self.roles["model"] = self._role("model", self.cfg.model, value_head=self.cfg.stage == "rm")
+            if self.cfg.stage == "dpo":
+                self.roles["reference"] = self._role("reference", self.reference_config())
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def reference_config(self):
+        ref = self.cfg.reference
+        return ref if ref is not None else replace(self.cfg.model)
+
+    def _role(self, name: str, role_cfg, value_head: bool = False) -> MegatronRole:
+        from megarl.platform import current_platform
+        from megarl.workers import WorkerGroup
+
+        tr = self.cfg.trainer
+        group = WorkerGroup(f"{self.cfg.stage}-{name}", role_cfg.parallel.ranks,
+                            num_cpus_per_rank=role_cfg.cpus_per_rank,
+                            num_gpus_per_rank=role_cfg.gpus_per_rank if current_platform().is_gpu else 0,
+                            collective_timeout_s=tr.collective_timeout_s)
+        role = MegatronRole(name, role_cfg, group, role_cfg.model.path, timeout_s=tr.step_timeout_s,
+                            value_head=value_head, new_value_head=value_head)
+        role.load(timeout_minutes=max(1, math.ceil(tr.collective_timeout_s / 60)))
+        return role
+
+    def resume(self) -> int:
+        """The step to continue after (0: a fresh run), the model and optimizer restored from it."""
+        latest = self.checkpoints.latest() if self.cfg.trainer.resume == "auto" else None
+        if latest is None:
+            return 0
+        self.roles["model"].restore(str(latest / "model"), with_optimizer=True)
+        return int(CheckpointManager.trainer_state(latest)["step"])
+
+    # -- one step, one evaluation ----------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Optimizer step ``step`` (from 1) on its examples."""
+        d = self.cfg.data
+        examples = [self.data.train[i] for i in batch_indices(len(self.data.train), d.batch_size, step - 1, d.seed)]
+        batch = make_batch(self.cfg, examples, self.data.pad_id)
+        if self.cfg.stage == "dpo":
+            batch["ref_logprobs"] = self._logprobs("reference", batch)
+        metrics, _ = self.roles["model"].train(UPDATES[self.cfg.stage], batch,
+                                               self.cfg.dpo if self.cfg.stage == "dpo" else None)
+        metrics["data/completion_tokens"] = float(batch["mask"].sum())
+        return metrics
+
+    def _logprobs(self, role: str, batch: dict[str, Any]) -> torch.Tensor:
+        r = self.roles[role]
+        return rl_fns.gather_shards(r._run(rl_fns.logprobs, key=role, batch=batch,
+                                           micro_batch_size=r.cfg.micro_batch_size))
+
+    def _scores(self, batch: dict[str, Any]) -> torch.Tensor:
+        r = self.roles["model"]
+        return rl_fns.gather_shards(r._run(rl_fns.scores, key="model", batch=batch,
+                                           micro_batch_size=r.cfg.micro_batch_size))
+
+    def eval_batches(self) -> list[list]:
+        """The held-out examples in batches the layout takes (whole micro-batches on every rank);
+        a remainder smaller than that is left out."""
+        par, mbs = self.cfg.model.parallel, self.cfg.model.micro_batch_size
+        per = max(1, (par.data_parallel_size * mbs) // rows_per_example(self.cfg))
+        size = max(per, self.cfg.data.batch_size // per * per)
+        n = len(self.data.eval) // per * per
+        return [self.data.eval[i:i + size] for i in range(0, n, size)]
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out measure: SFT the completion tokens' mean NLL; RM and DPO the loss and the
+        fraction of pairs ranked right (``eval/heldout/accuracy``)."""
+        batches = self.eval_batches()
+        if not batches:
+            return {}
+        totals = {"loss": 0.0, "accuracy": 0.0, "count": 0.0}
+        reference = self._eval_reference or []
+        for index, examples in enumerate(batches):
+            batch = make_batch(self.cfg, examples, self.data.pad_id)
+            if self.cfg.stage == "sft":
+                lp = self._logprobs("model", batch)
+                totals["loss"] += float(-(lp * batch["mask"]).sum())
+                totals["count"] += float(batch["mask"].sum())
+                continue
+            n = len(examples)
+            if self.cfg.stage == "rm":
+                scores = self._scores(batch)
+                loss, m = bradley_terry_loss(scores[0::2], scores[1::2], denom=1.0)
+                totals["accuracy"] += float(m["rm/accuracy"])
+            else:
+                if self._eval_reference is None:
+                    reference.append(self._logprobs("reference", batch))
+                mask = batch["mask"]
+                policy = (self._logprobs("model", batch) * mask).sum(1)
+                ref, tokens = (reference[index] * mask).sum(1), mask.sum(1)
+                pairs = PairLogprobs(policy[0::2], policy[1::2], ref[0::2], ref[1::2], tokens[0::2], tokens[1::2])
+                loss, m = dpo_loss(pairs, self.cfg.dpo, denom=1.0)
+                totals["accuracy"] += float(m["dpo/accuracy"])
+            totals["loss"] += float(loss)
+            totals["count"] += n
+        self._eval_reference = reference if self.cfg.stage == "dpo" else None
+        out = {"eval/heldout/loss": totals["loss"] / totals["count"], "eval/heldout/examples": float(
+            sum(len(b) for b in batches))}
+        if self.cfg.stage != "sft":
+            out["eval/heldout/accuracy"] = totals["accuracy"] / totals["count"]
+        return out
+
+    def save(self, step: int) -> Path:
+        return self.checkpoints.save(step, {"model": self.roles["model"]}, {"stage": self.cfg.stage})
+
+    def shutdown(self) -> None:
+        for role in self.roles.values():
+            role.shutdown()
+        self.roles.clear()
+
+
+def run_stage(cfg: SupervisedConfig, data: StageData) -> list[dict[str, Any]]:
+    """Trains ``cfg.stage`` to its last step (resuming from the latest checkpoint) and returns the
+    metrics history."""
+    tr = cfg.trainer
+    last = total_steps(cfg, len(data.train))
+    with SupervisedRun(cfg, data) as run:
+        start = run.resume()
+        logger = MetricsLogger(run.run_dir, asdict(cfg), tensorboard=tr.tensorboard, resume_step=start,
+                               run_name=cfg.name)
+        try:
+            if start == 0:
+                logger.log(0, run.evaluate())  # the held-out measure before training
+            for step in range(start + 1, last + 1):
+                began = time.perf_counter()
+                metrics = run.train_step(step)
+                metrics["time/step_s"] = time.perf_counter() - began
+                if step == last or (tr.eval_every and step % tr.eval_every == 0):
+                    metrics |= run.evaluate()
+                logger.log(step, metrics)
+                if step == last or (tr.checkpoint_every and step % tr.checkpoint_every == 0):
+                    run.save(step)
+        finally:
+            logger.close()
+        return logger.history()
+
