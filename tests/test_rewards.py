@@ -297,3 +297,15 @@ def test_run_reward_weighs_its_terms_and_names_a_bad_one():
     reward.functions[1] = lambda samples: [0.0]
     with pytest.raises(ValueError, match=r"rewards\[1\] \(math_verify\): returned 1 rewards for 3 samples"):
         reward.score(batch)
+
+
+def test_an_eval_only_term_is_logged_in_training_and_counted_only_in_evaluation():
+    from megarl.config.schema import RewardTermConfig
+    from megarl.trainer.rewards import RunReward
+
+    terms = [RewardTermConfig(kind="format", weight=0.5), RewardTermConfig(kind="math_verify", eval_only=True)]
+    batch = [sample("<answer>1/2</answer>", answer="0.5"), sample("<answer>3</answer>", answer="0.5")]
+    total, parts = RunReward(terms).score(batch)
+    assert total.tolist() == [0.5, 0.5] and parts["reward/math_verify"].tolist() == [1.0, 0.0]
+    total, _ = RunReward(terms, evaluation=True).score(batch)
+    assert total.tolist() == [1.5, 0.5]

@@ -204,6 +204,9 @@ class EvalConfig:
 class RewardTermConfig:
     kind: str = "reasoning_gym"  # reasoning_gym | math_verify | format | remote | model
     weight: float = 1.0
+    # Scores held-out evaluation only: logged on training batches as reward/<kind> but adds
+    # nothing to the training reward (a task's verifier watching a run that trains on a reward model).
+    eval_only: bool = False
     extractor: str = "answer_tag"
     url: str = ""  # remote
     timeout_s: float = 30.0

@@ -111,7 +111,7 @@ class Evaluator:
     def __init__(self, cfg: RunConfig, engines: list, tokenizer: Any, reward: RunReward):
         self.cfg, self.engines, self.tokenizer = cfg, engines, tokenizer
         # the reward model scores training batches only; the rule and remote terms score evaluation
-        self.reward = RunReward([t for t in reward.terms if t.kind != "model"]) if reward.needs_model else reward
+        self.reward = RunReward([t for t in reward.terms if t.kind != "model"], evaluation=True)
         self.sets = [load_eval_set(s, tokenizer, f"eval.sets[{i}]") for i, s in enumerate(cfg.eval.sets)]
 
     @property

@@ -15,8 +15,9 @@ from megarl.rewards.terms import build_term
 
 
 class RunReward:
-    def __init__(self, terms: list[RewardTermConfig]):
+    def __init__(self, terms: list[RewardTermConfig], evaluation: bool = False):
         self.terms = terms
+        self.evaluation = evaluation  # eval_only terms count (held-out evaluation)
         self.functions = {i: build_term(t) for i, t in enumerate(terms) if t.kind != "model"}
 
     @property
@@ -25,7 +26,8 @@ class RunReward:
 
     def score(self, inputs: list[RewardInput], model_scores: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Weighted sum [B] and each term's unweighted values, named ``reward/<kind>``."""
+        """Weighted sum [B] and each term's unweighted values, named ``reward/<kind>``; an
+        ``eval_only`` term is in the sum only when evaluating."""
         total = torch.zeros(len(inputs))
         parts: dict[str, torch.Tensor] = {}
         for i, term in enumerate(self.terms):
@@ -37,5 +39,6 @@ class RunReward:
                 values = torch.tensor(checked, dtype=torch.float32)
             name = f"reward/{term.kind}" if f"reward/{term.kind}" not in parts else f"reward/{term.kind}{i}"
             parts[name] = values
-            total += term.weight * values
+            if self.evaluation or not term.eval_only:
+                total += term.weight * values
         return total, parts

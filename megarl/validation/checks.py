@@ -161,6 +161,12 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
                 errors.append(f"rewards[{i}].extractor: {e}")
     if not cfg.rewards:
         errors.append("rewards: at least one reward term is needed")
+    elif all(term.eval_only for term in cfg.rewards):
+        errors.append("rewards: every term is eval_only, so nothing rewards training")
+    for i, term in enumerate(cfg.rewards):
+        if term.eval_only and term.kind == "model":
+            errors.append(f"rewards[{i}]: a model term cannot be eval_only (the reward model scores training "
+                          "batches only)")
     if actor.num_heads % rollout.tp or vllm_padded_vocab(actor.vocab_size) % rollout.tp:
         errors.append(f"rollout.tp={rollout.tp} does not divide the attention heads ({actor.num_heads}) or vLLM's "
                       f"padded vocabulary ({vllm_padded_vocab(actor.vocab_size)})")
