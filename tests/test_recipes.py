@@ -12,7 +12,10 @@ from megarl.config.loader import ConfigError, load_config
 from megarl.config.schema import RunConfig
 from megarl.validation.checks import validate_run
 
-RECIPES = sorted((Path(__file__).parent.parent / "model_configs").glob("*.yaml"))
+ALL_RECIPES = sorted((Path(__file__).parent.parent / "model_configs").glob("*.yaml"))
+# The RLHF pipeline's stages read the previous stage's output (runs/<stage>/final): checked as a chain
+PIPELINE = [r for r in ALL_RECIPES if r.stem.startswith("cpu_rlhf_")]
+RECIPES = [r for r in ALL_RECIPES if r not in PIPELINE]
 # "# ...: 48 GPUs (6 nodes of 8 x H100 80GB)." in a cluster recipe's first line
 HEADER = re.compile(r"(\d+) GPUs \((\d+) nodes? of (\d+) x (H100 80GB|H200 141GB|A100 80GB)\)")
 GPU_NAMES = {"H100 80GB": "h100-80gb", "H200 141GB": "h200-141gb", "A100 80GB": "a100-80gb"}
@@ -70,3 +73,24 @@ def test_override_breaks_a_recipe_with_a_named_field(smollm2):
     cfg = load_config(RunConfig, recipe, ["actor.parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"actor\.parallel\.tp=2 does not divide num_attention_heads=9"):
         validate_run(cfg)
+
+
+def test_the_rlhf_pipeline_recipes_chain_and_validate_where_their_inputs_exist(smollm2):
+    """SFT validates as it stands; the reward model validates on the bundled model in place of the
+    SFT output; PPO loads, and names the SFT output for its actor and reference and the reward
+    model's for its critic and reward model (run end to end by examples/rlhf_pipeline.sh)."""
+    from megarl.config.supervised import SupervisedConfig
+    from megarl.validation.supervised_checks import validate_supervised
+
+    sft, rm, ppo = (next(r for r in PIPELINE if r.stem == f"cpu_rlhf_{s}") for s in ("sft", "rm", "ppo"))
+    sft_cfg = load_config(SupervisedConfig, sft)
+    sft_cfg.stage = "sft"
+    validate_supervised(sft_cfg)
+    rm_cfg = load_config(SupervisedConfig, rm)
+    assert rm_cfg.model.model.path == f"{sft_cfg.output_dir}/final"
+    rm_cfg.model.model.path = "bundled:SmolLM2-135M-Instruct"
+    validate_supervised(rm_cfg)
+    ppo_cfg = load_config(RunConfig, ppo)
+    assert ppo_cfg.actor.model.path == ppo_cfg.reference.model.path == f"{sft_cfg.output_dir}/final"
+    assert ppo_cfg.critic.model.path == ppo_cfg.reward_model.model.path == f"{rm_cfg.output_dir}/final"
+    assert [t.eval_only for t in ppo_cfg.rewards] == [False, True] and ppo_cfg.eval.sets

@@ -78,6 +78,7 @@ def test_a_stage_learns_and_resumes_bit_for_bit(tmp_path, policy, stage, records
     assert [h[loss] for h in _without_times(got)[1:]] == [h[loss] for h in _without_times(expected)[1:]]
     assert got[-1]["eval/heldout/loss"] == expected[-1]["eval/heldout/loss"]
     assert (tmp_path / "parted" / "plots" / f"{stage}_loss.png").is_file()
+    assert (tmp_path / "parted" / "final").resolve() == (tmp_path / "parted/checkpoints/step_000003/model")
 
 
 def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_measured(tmp_path, policy):

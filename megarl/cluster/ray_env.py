@@ -63,7 +63,16 @@ def _keeping_sigterm_handler() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _quiet_token_auth_notice(record: logging.LogRecord) -> bool:
+    """Drops Ray's notice that token authentication is on (megarl keeps it on: nothing to act on);
+    its warning that authentication is off still shows."""
+    return "Token authentication is enabled" not in record.getMessage()
+
+
 def _init(ray, num_cpus: int | None, namespace: str, object_store_mib: int, log_to_driver: bool) -> None:
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if _quiet_token_auth_notice not in auth_log.filters:
+        auth_log.addFilter(_quiet_token_auth_notice)
     common = dict(namespace=namespace, log_to_driver=log_to_driver, logging_level=logging.WARNING)
     address = os.environ.get("RAY_ADDRESS")
     if address:

@@ -199,8 +199,16 @@ class SupervisedRun:
             out["eval/heldout/accuracy"] = totals["accuracy"] / totals["count"]
         return out
 
-    def save(self, step: int) -> Path:
-        return self.checkpoints.save(step, {"model": self.roles["model"]}, {"stage": self.cfg.stage})
+    def save(self, step: int, final: bool = False) -> Path:
+        """A checkpoint of the model; the last one is also ``<output_dir>/final`` (a link the next
+        stage's recipe can name: a megarl checkpoint, exportable with ``megarl convert``)."""
+        path = self.checkpoints.save(step, {"model": self.roles["model"]}, {"stage": self.cfg.stage})
+        if final:
+            link, tmp = self.run_dir / "final", self.run_dir / ".final.tmp"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to((path / "model").relative_to(self.run_dir))
+            tmp.replace(link)  # atomic: the link names the old checkpoint or the new one
+        return path
 
     def shutdown(self) -> None:
         for role in self.roles.values():
@@ -228,7 +236,7 @@ def run_stage(cfg: SupervisedConfig, data: StageData) -> list[dict[str, Any]]:
                     metrics |= run.evaluate()
                 logger.log(step, metrics)
                 if step == last or (tr.checkpoint_every and step % tr.checkpoint_every == 0):
-                    run.save(step)
+                    run.save(step, final=step == last)
         finally:
             logger.close()
         return logger.history()
