@@ -133,3 +133,23 @@ def test_settings_are_refused_with_their_field(tmp_path, policy, capsys):
     assert "dpo.beta must be a positive number" in err and "model.micro_batch_size=3 must be even" in err
     assert main(["dpo", str(recipe), "--check"]) == 0
     assert "8 training and 4 held-out examples, 3 steps of 4 pairs" in capsys.readouterr().out
+
+
+def test_parquet_rows_are_records_and_a_bad_row_is_named(tmp_path, policy):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import transformers
+
+    from megarl.data.supervised import DataError, load_examples
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(policy)
+    path = tmp_path / "pairs.parquet"
+    # a column per field: the first row's keys set the schema, so margin is null where absent
+    pq.write_table(pa.Table.from_pylist([{"margin": None, **r} for r in _pair_records(3)]), path)
+    pairs = load_examples(str(path), "dpo", tokenizer, max_len=128)
+    assert len(pairs) == 3 and pairs[1].margin == 0.5 and pairs[0].margin is None
+    assert tokenizer.decode([t for t, c in zip(pairs[0].rejected.tokens, pairs[0].rejected.completion, strict=True)
+                             if c]).startswith("3, I think")
+    pq.write_table(pa.Table.from_pylist([*_pair_records(2), {"prompt": "x", "chosen": "1", "rejected": ""}]), path)
+    with pytest.raises(DataError, match=r"pairs.parquet: row 2: 'rejected' is missing"):
+        load_examples(str(path), "dpo", tokenizer, max_len=128)

@@ -1,7 +1,7 @@
 """Datasets of the supervised stages: SFT conversations and preference pairs, tokenized with the
 model's chat template, with the completion (assistant) tokens marked for the loss.
 
-Records (JSON Lines, one per line; ``reasoning_gym:<task>`` generates them instead):
+Records (JSON Lines, one per line, or Parquet rows; ``reasoning_gym:<task>`` generates them instead):
 
 - SFT: ``{"messages": [{"role", "content"}, ...]}`` with at least one assistant message (every
   assistant message is trained on, multi-turn included), or ``{"prompt": text, "response": text}``
@@ -165,6 +165,8 @@ def load_examples(source: str, stage: str, tokenizer: Any, max_len: int, size: i
     """Every record of ``source`` (a JSONL file or ``reasoning_gym:<task>``) as the stage's examples."""
     if source.startswith("reasoning_gym:"):
         records = generated_records(source, stage, size, seed, instruction, task_config or {})
+    elif source.lower().endswith((".parquet", ".pq")):
+        records = parquet_rows(source)
     else:
         records = list(jsonl_rows(source))
     make = sft_example if stage == "sft" else pair_example
@@ -172,6 +174,19 @@ def load_examples(source: str, stage: str, tokenizer: Any, max_len: int, size: i
     if not examples:
         raise DataError(f"{source} has no records")
     return examples
+
+
+def parquet_rows(path: str) -> list[tuple[str, Any]]:
+    """(``path: row i``, record) of a Parquet file's rows (needs the optional ``pyarrow``)."""
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSONL") from None
+    return [(f"{path}: row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 def collate(seqs: list[TokenSeq], pad_id: int) -> dict[str, torch.Tensor]:
