@@ -63,6 +63,12 @@ def tiny_config(family: str, **overrides):
         # kv_channels); 32 is also the smallest head vLLM's CPU attention takes
         common.update(head_dim=32)
         cls = transformers.Qwen3Config
+    elif family == "qwen3_moe":
+        # experts narrower than the dense intermediate_size (which no layer uses): the width read
+        # must be moe_intermediate_size
+        common.update(num_hidden_layers=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeConfig
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -80,7 +86,7 @@ def build_tiny_hf(family: str, path: Path, seed: int = 0, **overrides) -> Path:
             for name, param in model.named_parameters():
                 if name.endswith("proj.bias"):
                     param.normal_(std=0.1)
-    if family == "qwen3":  # and the QK-norm weights to ones: make each one (and q vs k) matter
+    if family in ("qwen3", "qwen3_moe"):  # and the QK-norm weights to ones: make each one (and q vs k) matter
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -115,7 +121,7 @@ def build_tiny_policy(path: Path, smollm2: Path) -> Path:
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {family: build_tiny_hf(family, root / family)
-            for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3")}
+            for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe")}
 
 
 @pytest.fixture(scope="session")

@@ -174,6 +174,23 @@ def test_qwen3_explicit_head_dim_no_bias_and_no_window():
         arch_from_hf_config({**cfg, "attention_bias": True})
 
 
+def test_qwen3_moe_experts_are_moe_intermediate_size_wide():
+    cfg = {**LLAMA, "model_type": "qwen3_moe", "head_dim": 32, "num_experts": 128, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    arch = arch_from_hf_config(cfg)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.ffn_hidden_size) == ("qwen3_moe", 128, 8, 768)
+    assert arch.is_moe and arch.extra == {"norm_topk_prob": True}
+    from megarl.models.arch import family_of
+
+    config = family_of("qwen3_moe").transformer_config_kwargs(arch)
+    assert config["qk_layernorm"] and config["moe_ffn_hidden_size"] == 768 and not config["moe_router_pre_softmax"]
+    raw = arch_from_hf_config({**cfg, "norm_topk_prob": False})
+    assert family_of("qwen3_moe").transformer_config_kwargs(raw)["moe_router_pre_softmax"]
+    for bad in ({"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}):
+        with pytest.raises(ArchError, match="dense layers among the MoE layers"):
+            arch_from_hf_config({**cfg, **bad})
+
+
 def test_mixtral_experts():
     cfg = {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
     arch = arch_from_hf_config(cfg)

@@ -111,6 +111,38 @@ def test_mixtral_moe_logits(tp, ep, pools, tiny_models, references, tmp_path_fac
         assert (logits - expected["mixtral"]).abs().max().item() <= TOL, par
 
 
+@pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 2, 2)])
+def test_qwen3_moe_logits(tp, ep, pp, pools, tiny_models, references, tmp_path_factory):
+    """Qwen3-MoE (QK-norm attention, routed experts of moe_intermediate_size, top-k renormalised)
+    at each (tp, ep, pp), written at that layout and read back at it."""
+    tokens, expected = references
+    pool = pools.get(4)
+    par = ParallelConfig(tp=tp, ep=ep, pp=pp, world_size=4)
+    path = tmp_path_factory.mktemp("qwen3moe") / f"tp{tp}ep{ep}pp{pp}"
+    path.mkdir()
+    pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models["qwen3_moe"]), out_dir=str(path), parallel=par,
+             dtype="float32")
+    logits = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))
+    assert (logits - expected["qwen3_moe"]).abs().max().item() <= TOL, par
+
+
+def test_qwen3_moe_without_renormalised_top_k(pools, tmp_path_factory):
+    """norm_topk_prob=false: the top-k probabilities of the softmax over all experts, unrenormalised
+    (megatron-core's pre-softmax router); the renormalised routing would give other logits."""
+    from conftest import build_tiny_hf
+
+    hf = build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe_raw", norm_topk_prob=False)
+    tokens = random_tokens()
+    expected = hf_logits(hf, tokens)
+    path = tmp_path_factory.mktemp("qwen3moe") / "raw"
+    path.mkdir()
+    par = ParallelConfig(tp=1, ep=2, world_size=2)
+    pool = pools.get(2)
+    pool.run(jobs.hf_to_mcore, hf_dir=str(hf), out_dir=str(path), parallel=par, dtype="float32")
+    logits = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))
+    assert (logits - expected).abs().max().item() <= TOL
+
+
 def test_value_head_matches_sequence_classifier(pools, tiny_reward_model, tmp_path_factory):
     """A reward model (HF LlamaForSequenceClassification): per-token scores of the Megatron
     value head equal transformers' score head on every position."""

@@ -81,16 +81,29 @@ def test_a_stage_learns_and_resumes_bit_for_bit(tmp_path, policy, stage, records
     assert (tmp_path / "parted" / "final").resolve() == (tmp_path / "parted/checkpoints/step_000003/model")
 
 
-def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_measured(tmp_path, policy):
+@pytest.mark.parametrize("source", ["hf", "megarl"])
+def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_measured(tmp_path, policy, source):
+    """From a language model (an HF folder, or a megarl checkpoint such as an SFT stage's): the
+    backbone is read, the score head starts from its initialisation."""
     import transformers
 
     from megarl.config.loader import load_config
     from megarl.config.supervised import SupervisedConfig
     from megarl.trainer.supervised import load_stage_data
 
+    start = policy
+    if source == "megarl":
+        start = tmp_path / "lm-ckpt"
+        assert main(["convert", "hf-to-mcore", "--hf", str(policy), "--out", str(start)]) == 0
+        from megarl.models.hf_arch import arch_from_hf_dir
+        from megarl.validation.checks import weights_errors
+
+        # as `megarl train`'s reward model, a language model's checkpoint is refused before start
+        (error,) = weights_errors("reward_model", str(start), arch_from_hf_dir(policy))
+        assert "is a language model's checkpoint (no value head)" in error
     data = _write_jsonl(tmp_path / "pairs.jsonl", _pair_records(12))
-    recipe = _recipe(tmp_path, "rm", policy, data)
-    assert main(["rm", str(recipe)]) == 0  # from a language model: the score head starts from its init
+    recipe = _recipe(tmp_path, "rm", start, data)
+    assert main(["rm", str(recipe)]) == 0
     final = _history(tmp_path / "rm")[-1]
     out = tmp_path / "rm-hf"
     assert main(["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "rm/checkpoints/step_000003/model"),
@@ -98,7 +111,7 @@ def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_meas
     model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
     cfg = load_config(SupervisedConfig, recipe)
     cfg.stage = "rm"
-    held_out = load_stage_data(cfg, transformers.AutoTokenizer.from_pretrained(out)).eval
+    held_out = load_stage_data(cfg, transformers.AutoTokenizer.from_pretrained(policy)).eval
     with torch.no_grad():
         scores = [[model(torch.tensor([seq.tokens])).logits[0, 0].item() for seq in (p.chosen, p.rejected)]
                   for p in held_out]

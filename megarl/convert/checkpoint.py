@@ -174,9 +174,20 @@ def load_dist_checkpoint(sharded_state_dict: dict, ckpt_dir: str | Path) -> dict
                                    common_strategy=common)
 
 
-def load_model(chunks: list, ckpt_dir: str | Path) -> None:
-    """Collective: fills ``chunks`` from ``ckpt_dir`` at whatever layout they were built."""
-    loaded = load_dist_checkpoint(model_sharded_state_dict(chunks), ckpt_dir)
+def load_model(chunks: list, ckpt_dir: str | Path, keep_output_layer: bool = False) -> None:
+    """Collective: fills ``chunks`` from ``ckpt_dir`` at whatever layout they were built.
+    ``keep_output_layer``: the chunks' output layer (a new value head on a language model's
+    checkpoint) is not read and keeps its initialisation; everything else must be there."""
+    sharded = model_sharded_state_dict(chunks)
+    if keep_output_layer:
+        sharded = {key: {k: v for k, v in sd.items() if not k.startswith("output_layer.")}
+                   for key, sd in sharded.items()}
+    loaded = load_dist_checkpoint(sharded, ckpt_dir)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys, strict=True):
-        getattr(chunk, "module", chunk).load_state_dict(loaded[key], strict=True)
+        module = getattr(chunk, "module", chunk)
+        missing, unexpected = module.load_state_dict(loaded[key], strict=False)
+        missing = [k for k in missing if not (keep_output_layer and k.startswith("output_layer."))]
+        if missing or unexpected:
+            raise RuntimeError(f"{ckpt_dir}: the checkpoint does not fit the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")

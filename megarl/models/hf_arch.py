@@ -96,7 +96,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         family=family,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=own.get("ffn_hidden_size", ffn),  # an MoE family's expert width
         num_layers=int(need("num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -110,4 +110,5 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         num_experts=own.get("num_experts"),
         moe_topk=own.get("moe_topk"),
         dtype=str(dtype).replace("torch.", ""),
+        extra=own.get("extra", {}),
     )

@@ -63,6 +63,7 @@ class Run:
         self.queue: RolloutQueue | None = None
         self.evaluator: Evaluator | None = None
         self._busy_mark = 0.0  # the engines' generation seconds at the last generation_seconds()
+        self.engines_start_blank = False  # random weights until the first sync (a megarl checkpoint's actor)
         self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
 
     # -- construction --------------------------------------------------------------------------
@@ -95,6 +96,9 @@ class Run:
         ensure_ray()
         slots = self.slots = place(cfg)
         actor_hf = hf_folder(cfg.actor.model.path)
+        # vLLM reads an HF folder's weights itself; a megarl checkpoint's (an SFT stage's) it gets
+        # from the first weight sync, before anything is generated (resume)
+        self.engines_start_blank = not any(actor_hf.glob("*.safetensors"))
         self.engines = self._start_engines(actor_hf, slots["rollout"])
         tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
         self.rollout = RolloutManager(cfg, self.engines, tokenizer, prompt_dataset(cfg.data), reward)
@@ -141,11 +145,10 @@ class Run:
         from megarl.rollout.remote import start_engine
 
         r = self.cfg.rollout
-        has_weights = any(actor_hf.glob("*.safetensors"))
         return [start_engine(str(actor_hf), tp=r.tp, dtype=r.dtype, max_model_len=r.max_model_len,
                              max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib, seed=self.cfg.seed,
                              gpu_memory_utilization=r.gpu_memory_utilization,
-                             load_format="auto" if has_weights else "dummy",
+                             load_format="dummy" if self.engines_start_blank else "auto",
                              placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
                              cpu_threads=self._cpu_threads(slot))
                 for i in range(r.engines)]
@@ -259,10 +262,10 @@ class Run:
 
     def resume(self) -> int:
         """Continues from the run directory's latest checkpoint (``trainer.resume: auto``); returns its step."""
-        if self.cfg.trainer.resume == "never":
-            return 0
-        latest = self.checkpoints.latest()
+        latest = self.checkpoints.latest() if self.cfg.trainer.resume != "never" else None
         if latest is None:
+            if self.engines_start_blank:  # the first rollout (and evaluation) must see the actor's weights
+                self.sync_weights()
             return 0
         state = self.checkpoints.trainer_state(latest)
         for name, role in self.trained_roles().items():

@@ -343,6 +343,12 @@ def weights_errors(name: str, path: str, arch: ModelArch) -> list[str]:
     from megarl.models.bundled import resolve_model_path
 
     folder = resolve_model_path(path)
+    if is_megarl_checkpoint(folder) and name in VALUE_HEAD_ROLES:
+        from megarl.convert.checkpoint import read_meta
+
+        if not read_meta(folder).get("value_head"):
+            return [f"{name}.model.path: {folder} is a language model's checkpoint (no value head); a {name} "
+                    "needs a score head: train a reward model with `megarl rm`"]
     if is_megarl_checkpoint(folder) or not ((folder / "model.safetensors").is_file()
                                            or (folder / "model.safetensors.index.json").is_file()):
         return []  # a megarl checkpoint (its megarl.json is the architecture), or no weights to compare

@@ -64,8 +64,13 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
     try:
         if is_megarl_checkpoint(path):
             spec = replace(spec_from_checkpoint(path, parallel, dtype), recompute=recompute)
+            fresh_head = value_head and not spec.value_head
+            if fresh_head and not new_value_head:
+                raise ValueError(f"{source} is a language model's checkpoint (no value head): it cannot score as a "
+                                 "reward model; train one with `megarl rm`")
+            spec = replace(spec, value_head=spec.value_head or value_head)
             chunks = build_model_chunks(spec)
-            load_model(chunks, path)
+            load_model(chunks, path, keep_output_layer=fresh_head)
         else:
             spec = ModelSpec(arch_from_hf_dir(path), parallel, PrecisionConfig(dtype=dtype), value_head=value_head,
                              recompute=recompute)

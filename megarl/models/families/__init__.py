@@ -6,7 +6,7 @@ here and its line below.
 """
 
 from megarl.models.arch import register_family
-from megarl.models.families import llama, mistral, mixtral, qwen2, qwen3
+from megarl.models.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
 # Registration order is the order "supported: ..." messages list them in.
 register_family(llama.FAMILY)
@@ -14,3 +14,4 @@ register_family(mistral.FAMILY)
 register_family(qwen2.FAMILY)
 register_family(mixtral.FAMILY)
 register_family(qwen3.FAMILY)
+register_family(qwen3_moe.FAMILY)

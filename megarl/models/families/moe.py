@@ -1,0 +1,87 @@
+"""Routed SwiGLU experts, as the MoE families share them: a replicated router and E experts per
+MoE layer, each expert split over tensor-parallel ranks like a dense MLP, the experts spread over
+expert-parallel ranks (canonical names carry the *global* expert index).
+
+megatron-core: ``mlp.router.weight`` and ``mlp.experts.local_experts.E.linear_fc1`` (gate then up,
+stacked) / ``linear_fc2`` (down). A family names its HF tensors with ``ExpertNames``. vLLM fuses
+all experts of a layer into one tensor, which the weight sync cannot fill yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.models.arch import ModelArch
+from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, whole
+
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """HF tensor names inside a layer: the router, and an expert's gate / up / down ({e}: its index)."""
+
+    router: str
+    expert: str
+    gate: str
+    up: str
+    down: str
+
+
+class RoutedExperts:
+    """Mixed into a DecoderFamily (before it) whose every layer's MLP is routed experts."""
+
+    names: ExpertNames
+
+    def moe_config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
+        return {
+            "num_moe_experts": arch.num_experts,
+            "moe_router_topk": arch.moe_topk,
+            "moe_ffn_hidden_size": arch.ffn_hidden_size,
+            "moe_router_load_balancing_type": "none",
+            "moe_token_dispatcher_type": "alltoall",
+            "moe_grouped_gemm": False,
+            "moe_router_dtype": "fp32",
+        }
+
+    def transformer_config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
+        return {**super().transformer_config_kwargs(arch), **self.moe_config_kwargs(arch)}
+
+    def layer_spec_kwargs(self, arch: ModelArch) -> dict[str, Any]:
+        return {**super().layer_spec_kwargs(arch), "num_experts": arch.num_experts}
+
+    def hf_mlp_shapes(self, arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = arch.hidden_size, arch.ffn_hidden_size, self.names
+        shapes = {prefix + n.router: (arch.num_experts, h)}
+        for e in range(arch.num_experts):
+            q = prefix + n.expert.format(e=e)
+            shapes |= {q + n.gate: (f, h), q + n.down: (h, f), q + n.up: (f, h)}
+        return shapes
+
+    def layer_recipe(self, arch: ModelArch, rest: str, prefix: str, layout: ShardLayout) -> Recipe | None:
+        n = self.names
+        if rest == "mlp.router.weight":
+            return whole(prefix + n.router, (arch.num_experts, arch.hidden_size))
+        m = _EXPERT.match(rest)
+        if m:
+            q = prefix + n.expert.format(e=int(m.group(1)))
+            h = arch.hidden_size
+            start, stop = chunk(arch.ffn_hidden_size, layout.tp, layout.tp_rank)
+            if m.group(2) == "linear_fc1":  # gate, then up
+                return Recipe(0, (Piece(q + n.gate, start, stop), Piece(q + n.up, start, stop)),
+                              (2 * (stop - start), h))
+            return Recipe(1, (Piece(q + n.down, start, stop),), (h, stop - start))
+        return super().layer_recipe(arch, rest, prefix, layout)
+
+    def vllm_layer_names(self, arch: ModelArch, prefix: str) -> list[str]:
+        raise NotImplementedError("weight sync into vLLM's fused MoE experts is not supported yet")
+
+    def mlp_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
+        # the router (replicated) is dense; each of this rank's experts is a tp-split SwiGLU
+        h, ffn = arch.hidden_size, arch.ffn_hidden_size // tp
+        expert: list[int] = []
+        for _ in range(arch.num_experts // ep):
+            expert += [2 * ffn * h, ffn * h]
+        return [arch.num_experts * h], expert
