@@ -307,10 +307,15 @@ def test_the_actor_checkpoint_exports_to_a_model_that_transformers_and_vllm_load
 
 
 def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward_model, tmp_path):
+    """The actor starts from a megarl checkpoint (as after `megarl sft`): vLLM, which cannot read
+    one, gets its weights by a sync before the first rollout, so step 1's samples are the actor's."""
+    from megarl.cli.main import main
     from megarl.trainer.loop import train
 
+    actor_ckpt = tmp_path / "actor-ckpt"
+    assert main(["convert", "hf-to-mcore", "--hf", str(policy), "--out", str(actor_ckpt)]) == 0
     overrides = [
-        f"actor.model.path={policy}", f"reference.model.path={policy}", f"reward_model.model.path={reward_model}",
+        f"actor.model.path={actor_ckpt}", f"reference.model.path={policy}", f"reward_model.model.path={reward_model}",
         f"output_dir={tmp_path / 'ppo'}", "actor.parallel.tp=2", "actor.parallel.world_size=2",
         "critic.parallel.tp=1", "reward_model.parallel.tp=1", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
         "algorithm.kl_in_reward=true", "algorithm.minibatches=2", "algorithm.ppo_epochs=2",
@@ -329,6 +334,8 @@ def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward
     # the critic started from the reward model and learns: the value loss changes
     assert history[0]["critic/value_loss"] != history[1]["critic/value_loss"]
     assert history[0]["sync/max_abs_logprob_diff"] <= 1e-3
+    # step 1 sampled from the actor's weights, not vLLM's start-up ones (random without HF weights)
+    assert history[0]["mismatch/max_abs_logprob"] <= 1e-3, history[0]["mismatch/max_abs_logprob"]
     groups = json.loads((tmp_path / "ppo" / "workers.json").read_text())
     assert {name: len(pids) for name, pids in groups.items()} == {"actor": 2, "reference": 1, "critic": 1,
                                                                  "reward_model": 1}
