@@ -120,3 +120,23 @@ def test_rollout_ahead_overlaps_generation_with_training():
     assert ahead.step_s < sum(t.values())
     assert ahead.step_s <= lockstep.step_s  # the search may pick another split, never a slower one
     assert not plan(arch, 16, PlanInputs(gpu, max_staleness=1), "colocated").overlapped
+
+
+@pytest.mark.parametrize("name,total_b,active_b,gpus", [("qwen3-30b-a3b", 30.5, 3.3, 8),
+                                                        ("qwen3-235b-a22b", 235.1, 22.2, 64)])
+def test_qwen3_moe_architectures_count_the_published_parameters_and_plan_with_expert_parallelism(
+        name, total_b, active_b, gpus):
+    """Qwen's model cards: 30.5B total / 3.3B activated, 235B / 22B. The planner fits each on its
+    H100s with the actor's experts split over expert-parallel ranks."""
+    from megarl.models.arch import family_of
+
+    arch = load_arch(name)
+    family = family_of(arch)
+    (router, *_), experts = family.mlp_params(arch, 1, 1)
+    per_layer = sum(family.layer_params(arch, 1, 1)[0]) + sum(experts)
+    shared = 2 * arch.vocab_size * arch.hidden_size + arch.hidden_size  # untied embeddings, final norm
+    total = arch.num_layers * per_layer + shared
+    active = total - arch.num_layers * sum(experts) * (1 - arch.moe_topk / arch.num_experts)
+    assert total / 1e9 == pytest.approx(total_b, abs=0.1) and active / 1e9 == pytest.approx(active_b, abs=0.2)
+    p = plan(arch, gpus, PlanInputs(gpu_spec("h100-80gb")))
+    assert p.fits and p.roles["actor"].layout.ep > 1, p.roles["actor"].layout
