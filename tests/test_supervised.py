@@ -79,6 +79,13 @@ def test_a_stage_learns_and_resumes_bit_for_bit(tmp_path, policy, stage, records
     assert got[-1]["eval/heldout/loss"] == expected[-1]["eval/heldout/loss"]
     assert (tmp_path / "parted" / "plots" / f"{stage}_loss.png").is_file()
     assert (tmp_path / "parted" / "final").resolve() == (tmp_path / "parted/checkpoints/step_000003/model")
+    if stage == "dpo":  # the reference's log-probs computed once at the start, its group then stopped
+        once = _recipe(tmp_path, "once", policy, data)
+        assert main([stage, str(once), "dpo.precompute_reference=true"]) == 0
+        got = _history(tmp_path / "once")
+        for h, e in zip(got, expected, strict=True):  # other batch shapes: equal to float rounding
+            assert h.get(loss, 0.0) == pytest.approx(e.get(loss, 0.0), abs=1e-5)
+            assert h.get("eval/heldout/loss", 0.0) == pytest.approx(e.get("eval/heldout/loss", 0.0), abs=1e-5)
 
 
 @pytest.mark.parametrize("source", ["hf", "megarl"])

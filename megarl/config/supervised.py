@@ -22,6 +22,9 @@ class DpoConfig:
     beta: float = 0.1
     loss_type: str = "sigmoid"  # sigmoid | ipo
     label_smoothing: float = 0.0  # conservative DPO (sigmoid only): the chance a pair's label is wrong
+    # The reference's log-probs of every pair computed once at the start, after which the reference
+    # group stops (its memory and processes freed); false: the reference scores each step's batch.
+    precompute_reference: bool = False
 
     def problems(self, prefix: str = "dpo") -> list[str]:
         out = []

@@ -81,7 +81,9 @@ class SupervisedRun:
         self.run_dir = Path(cfg.output_dir)
         self.roles: dict[str, MegatronRole] = {}
         self.checkpoints = CheckpointManager(self.run_dir)
-        self._eval_reference: list[torch.Tensor] | None = None  # DPO: the frozen reference's, once
+        # DPO: the frozen reference's per-token log-probs of each answer (chosen, rejected), kept for
+        # the held-out pairs (computed once), and for all pairs with dpo.precompute_reference
+        self._reference: dict[PairExample, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __enter__(self) -> SupervisedRun:
         return self.start()
@@ -97,6 +99,9 @@ class SupervisedRun:
             self.roles["model"] = self._role("model", self.cfg.model, value_head=self.cfg.stage == "rm")
             if self.cfg.stage == "dpo":
                 self.roles["reference"] = self._role("reference", self.reference_config())
+                if self.cfg.dpo.precompute_reference:  # every pair once; then the group's resources go
+                    self._remember_reference(self.data.train + self.data.eval)
+                    self.roles.pop("reference").shutdown()
         except BaseException:
             self.shutdown()
             raise
@@ -136,7 +141,7 @@ class SupervisedRun:
         examples = [self.data.train[i] for i in batch_indices(len(self.data.train), d.batch_size, step - 1, d.seed)]
         batch = make_batch(self.cfg, examples, self.data.pad_id)
         if self.cfg.stage == "dpo":
-            batch["ref_logprobs"] = self._logprobs("reference", batch)
+            batch["ref_logprobs"] = self._reference_logprobs(examples, batch)
         metrics, _ = self.roles["model"].train(UPDATES[self.cfg.stage], batch,
                                                self.cfg.dpo if self.cfg.stage == "dpo" else None)
         metrics["data/completion_tokens"] = float(batch["mask"].sum())
@@ -146,6 +151,30 @@ class SupervisedRun:
         r = self.roles[role]
         return rl_fns.gather_shards(r._run(rl_fns.logprobs, key=role, batch=batch,
                                            micro_batch_size=r.cfg.micro_batch_size))
+
+    def _reference_logprobs(self, pairs: list[PairExample], batch: dict[str, Any]) -> torch.Tensor:
+        """The reference's per-token log-probs [rows, L-1] of ``batch`` (``pairs``'s rows): from the
+        remembered ones where every pair has them, else from the reference group."""
+        if not all(p in self._reference for p in pairs):
+            return self._logprobs("reference", batch)
+        out = torch.zeros(batch["tokens"].shape[0], batch["tokens"].shape[1] - 1)
+        for k, pair in enumerate(pairs):
+            for row, lp in zip((2 * k, 2 * k + 1), self._reference[pair], strict=True):
+                out[row, :len(lp)] = lp
+        return out
+
+    def _remember_reference(self, pairs: list[PairExample]) -> None:
+        """Computes and keeps the reference's log-probs of ``pairs``, in step-sized batches (the last
+        filled up with repeats of its first pair, whose results are not kept twice)."""
+        size = self.cfg.data.batch_size
+        for start in range(0, len(pairs), size):
+            chunk = pairs[start:start + size]
+            padded = chunk + [chunk[0]] * (size - len(chunk))
+            batch = make_batch(self.cfg, padded, self.data.pad_id)
+            lp = self._logprobs("reference", batch)
+            for k, pair in enumerate(chunk):
+                self._reference[pair] = (lp[2 * k, :len(pair.chosen.tokens) - 1].clone(),
+                                         lp[2 * k + 1, :len(pair.rejected.tokens) - 1].clone())
 
     def _scores(self, batch: dict[str, Any]) -> torch.Tensor:
         r = self.roles["model"]
@@ -168,8 +197,7 @@ class SupervisedRun:
         if not batches:
             return {}
         totals = {"loss": 0.0, "accuracy": 0.0, "count": 0.0}
-        reference = self._eval_reference or []
-        for index, examples in enumerate(batches):
+        for examples in batches:
             batch = make_batch(self.cfg, examples, self.data.pad_id)
             if self.cfg.stage == "sft":
                 lp = self._logprobs("model", batch)
@@ -182,17 +210,16 @@ class SupervisedRun:
                 loss, m = bradley_terry_loss(scores[0::2], scores[1::2], denom=1.0)
                 totals["accuracy"] += float(m["rm/accuracy"])
             else:
-                if self._eval_reference is None:
-                    reference.append(self._logprobs("reference", batch))
+                if not all(p in self._reference for p in examples):
+                    self._remember_reference(examples)
                 mask = batch["mask"]
                 policy = (self._logprobs("model", batch) * mask).sum(1)
-                ref, tokens = (reference[index] * mask).sum(1), mask.sum(1)
+                ref, tokens = (self._reference_logprobs(examples, batch) * mask).sum(1), mask.sum(1)
                 pairs = PairLogprobs(policy[0::2], policy[1::2], ref[0::2], ref[1::2], tokens[0::2], tokens[1::2])
                 loss, m = dpo_loss(pairs, self.cfg.dpo, denom=1.0)
                 totals["accuracy"] += float(m["dpo/accuracy"])
             totals["loss"] += float(loss)
             totals["count"] += n
-        self._eval_reference = reference if self.cfg.stage == "dpo" else None
         out = {"eval/heldout/loss": totals["loss"] / totals["count"], "eval/heldout/examples": float(
             sum(len(b) for b in batches))}
         if self.cfg.stage != "sft":
