@@ -176,7 +176,16 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     assert [h["rollout/weight_version"] for h in ahead] == [0, 0, 1, 2]
     # the same prompts, in the same order, as in lockstep; step 1 is the same step
     assert [h["data/prompt_ids"] for h in ahead] == [h["data/prompt_ids"] for h in straight]
-    assert _comparable(ahead)[0] == _comparable(straight)[0]
+    # step 1 is the same step: the same samples, rewards and weights. Its update may differ in the
+    # last bits: rollout ahead gives each rank one CPU thread (both sides compute at once), lockstep
+    # all the cores, and the float reductions follow the thread count.
+    first_ahead, first_straight = _comparable(ahead)[0], _comparable(straight)[0]
+    assert first_ahead.keys() == first_straight.keys()
+    for key, value in first_straight.items():
+        if isinstance(value, float):
+            assert first_ahead[key] == pytest.approx(value, rel=1e-6, abs=1e-5), key
+        else:
+            assert first_ahead[key] == value, key
     assert straight[-1]["eval/held/prompts"] == 16 and "eval/held/accuracy" not in straight[-2]
     assert _comparable(ahead)[1] != _comparable(straight)[1], "batch 2 came from other weights"
 
