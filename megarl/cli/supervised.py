@@ -16,11 +16,12 @@ HELP = {
 
 DESCRIPTION = """{help}, on megatron-core at the recipe's tp/pp/dp layout.
 
-  megarl {stage} RECIPE.yaml                      run the recipe (see model_configs/cpu_{stage}.yaml)
+  megarl {stage} RECIPE.yaml                      run the recipe (examples: model_configs/cpu_rlhf_sft.yaml,
+                                                cpu_rlhf_rm.yaml; a DPO recipe adds a dpo: section)
   megarl {stage} RECIPE.yaml model.optim.lr=1e-5  ... with dotted overrides
   megarl {stage} RECIPE.yaml --check              validate the recipe and every record, print the config
 
-Data (data.train, data.eval): a JSONL file or reasoning_gym:<task>. SFT records are
+Data (data.train, data.eval): JSONL, Parquet or reasoning_gym:<task>. SFT records are
 {{"messages": [...]}} or {{"prompt", "response"}}; preference records are
 {{"prompt" or "messages", "chosen", "rejected"}} (optional "margin", "system"). Every record is
 tokenized with the model's chat template and checked before any process starts.
