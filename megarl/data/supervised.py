@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from megarl.data.jsonl import jsonl_rows
-
-ROLES = ("system", "user", "assistant", "tool")
+from megarl.data.prompts import ROLES
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-ROLES = ("system", "user", "assistant", "tool")  # the chat roles an observation may take
+from megarl.data.prompts import ROLES  # noqa: F401 - the chat roles an observation may take
 
 
 @dataclass(frozen=True)
