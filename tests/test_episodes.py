@@ -114,6 +114,10 @@ def test_episodes_score_answers_and_count_tool_calls(episodes):
         answer = t.reward - (0.2 if clean else 0.0)  # the shaping reward once, for a clean call
         assert 0.0 <= answer <= 1.0 + 1e-9, (t.reward, t.info)
         assert t.finish_reason in ("done", "length", "turns") and 1 <= len(t.turns) <= 3
+        # one reward per turn the environment answered (per-turn credit reads them), summing to the episode's
+        assert len(t.turn_rewards) == len(t.turns) and sum(t.turn_rewards) == pytest.approx(t.reward)
+        if t.finish_reason == "done":  # the last turn answered; the shaping reward came with an earlier one
+            assert sum(t.turn_rewards[:-1]) == pytest.approx(0.2 if clean else 0.0)
     metrics = episode_metrics(episodes)
     assert metrics["tool/call_fraction"] == sum(t.info.get("tool_calls", 0) > 0 for t in episodes) / EPISODES
     assert metrics["env/turns_mean"] > 1.0

@@ -138,7 +138,7 @@ def test_a_buffer_of_episodes_round_trips_exactly(manager, tmp_path):
     counters across a checkpoint (so a resumed env run scores and logs them as the straight one)."""
     from megarl.rollout.episodes import Trajectory
 
-    def episode(prompt, turns, observations, reward, reason, info):
+    def episode(prompt, turns, observations, reward, reason, info, turn_rewards):
         response, mask = [], []
         for i, turn in enumerate(turns):
             response += turn
@@ -148,12 +148,14 @@ def test_a_buffer_of_episodes_round_trips_exactly(manager, tmp_path):
                 mask += [0] * len(observations[i])
         logprobs = [-0.5 * (i + 1) if m else 0.0 for i, m in enumerate(mask)]
         return Trajectory(prompt, response, mask, logprobs, reason, reward, turns=turns,
-                          observations=observations, info=info)
+                          observations=observations, info=info, turn_rewards=turn_rewards)
 
-    episodes = [episode([1, 2], [[3, 4], [5]], [[9, 9, 9]], 1.2, "done", {"tool_calls": 1.0, "tool_seconds": 0.25}),
-                episode([1, 2], [[6]], [], 0.0, "length", {}),
-                episode([7], [[8], [3], [4]], [[9], [9, 9]], 0.2, "turns", {"tool_calls": 2.0, "tool_errors": 1.0}),
-                episode([7], [[5, 5]], [[9]], 0.0, "length", {"tool_calls": 1.0})]
+    episodes = [episode([1, 2], [[3, 4], [5]], [[9, 9, 9]], 1.2, "done", {"tool_calls": 1.0, "tool_seconds": 0.25},
+                        [0.2, 1.0]),
+                episode([1, 2], [[6]], [], 0.0, "length", {}, [0.0]),
+                episode([7], [[8], [3], [4]], [[9], [9, 9]], 0.2, "turns", {"tool_calls": 2.0, "tool_errors": 1.0},
+                        [0.2, 0.0, 0.0]),
+                episode([7], [[5, 5]], [[9]], 0.0, "length", {"tool_calls": 1.0}, [])]  # its step failed
     queue = RolloutQueue(manager, max_staleness=1, last_step=10)
     groups = [[t.sample() for t in episodes[:2]], [t.sample() for t in episodes[2:]]]
     queue.batches[3] = manager.assemble(3, 1, [3, 13], groups, episodes)

@@ -174,6 +174,47 @@ def reinforce_pp_advantages(
     return whiten(discounted_returns(token_rewards, mask, gamma), mask, shift_mean=True, eps=eps)
 
 
+@torch.no_grad()
+def group_std_scale(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """``[B]``: what :func:`grpo_advantages` divides each score's deviation by (its group's
+    unbiased std + eps), 1 where the group's scores are all equal (there the episode advantage
+    is 0 and per-turn differences keep their own scale, instead of one divided by eps)."""
+    g = _groups(scores, group_size)
+    if group_size < 2:
+        return torch.ones_like(g).reshape(-1)
+    centred = _centred(g)
+    std = (centred.square().sum(dim=1, keepdim=True) / (group_size - 1)).sqrt()
+    scale = torch.where(std > 0, std + eps, torch.ones_like(std))
+    return scale.expand_as(g).to(g.dtype).reshape(-1)
+
+
+@torch.no_grad()
+def turn_advantages(
+    seq_adv: torch.Tensor,
+    scores: torch.Tensor,
+    turn_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    scale: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """Per-turn credit for a group estimator's episode advantages ``[B]``: ``[B, T]``.
+
+    ``turn_rewards`` holds each turn's reward on that turn's last policy token (their row sum
+    is the episode's score). A token in turn k gets the rewards from turn k on,
+    ``G_k = sum_{j >= k} r_j``, against the same group baseline as the episode::
+
+        A_t = seq_adv + (G_k - score) / scale
+
+    Turn 1 has ``G_1 = score``: its tokens get exactly the episode advantage; a later turn loses
+    the rewards given before it, which it could not have earned. ``scale`` is what the estimator
+    divided the episode deviation by (GRPO: the group's std, :func:`group_std_scale`; RLOO, Dr.
+    GRPO: 1). Masked tokens get 0.
+    """
+    to_go = discounted_returns(turn_rewards, mask, gamma=1.0)
+    s = scores if scores.is_floating_point() else scores.float()
+    scale = scale[:, None] if isinstance(scale, torch.Tensor) else scale
+    return _zeros_like_masked(seq_adv[:, None] + (to_go - s[:, None]) / scale, mask)
+
+
 def broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence values ``[B]`` copied onto every valid token: ``[B, T]``, 0 on masked tokens."""
     out = seq_adv[:, None].expand(mask.shape)

@@ -24,7 +24,7 @@ from typing import ClassVar, Literal
 import torch
 
 from megarl.algorithms import losses
-from megarl.algorithms.advantages import token_rewards
+from megarl.algorithms.advantages import broadcast, token_rewards, turn_advantages
 from megarl.algorithms.filters import dynamic_sampling_mask
 from megarl.algorithms.kl import KL_ESTIMATORS, kl_reward_penalty
 from megarl.algorithms.masked import AGGREGATION_MODES, aggregate
@@ -71,6 +71,9 @@ class ScoredBatch:
     old_logprobs: torch.Tensor | None = None  # the actor's before the update (KL in the reward)
     ref_logprobs: torch.Tensor | None = None  # the reference model's
     values: torch.Tensor | None = None  # the critic's
+    # Multi-turn episodes with ``env.credit: turn``: each turn's reward on its last policy token,
+    # any rest of the score (the overlong penalty, say) on the episode's last; rows sum to ``scores``.
+    turn_rewards: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,9 +133,13 @@ def local_mean(x: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.T
 
 
 def token_level_rewards(cfg: AlgorithmConfig, batch: ScoredBatch) -> torch.Tensor:
-    """Each sequence's score on its last response token, minus ``kl_coef`` times the k1 KL to the
-    reference on every token when ``kl_in_reward`` (the actor's old log-probs are needed then)."""
-    rewards = token_rewards(batch.scores, batch.mask)
+    """Each sequence's score on its last response token (each turn's reward on the turn's last
+    token, with per-turn credit), minus ``kl_coef`` times the k1 KL to the reference on every token
+    when ``kl_in_reward`` (the actor's old log-probs are needed then)."""
+    if batch.turn_rewards is not None:
+        rewards = batch.turn_rewards * batch.mask
+    else:
+        rewards = token_rewards(batch.scores, batch.mask)
     if cfg.kl_in_reward and batch.ref_logprobs is not None:
         if batch.old_logprobs is None:
             raise ValueError("algorithm.kl_in_reward needs the actor's log-probs before the update")
@@ -150,6 +157,9 @@ class Algorithm:
     min_group_size: ClassVar[int] = 1  # samples per prompt (rollout.n) its advantages compare
     needs_critic: ClassVar[bool] = False
     per_token_rewards: ClassVar[bool] = False  # rewards per token, so KL in the reward applies
+    # Whether its advantages may differ between the turns of an episode (env.credit: turn); not
+    # for one whose loss reads a single advantage per sequence (GSPO).
+    turn_credit: ClassVar[bool] = True
     # what policy_loss returns besides the loss, all micro-batch means
     metrics: ClassVar[tuple[Metric, ...]] = (Metric("clip_fraction"), Metric("approx_kl"), Metric("ratio_mean"))
 
@@ -184,6 +194,9 @@ class Algorithm:
             errors.append(f"algorithm.kl_estimator={algo.kl_estimator!r} must be one of {', '.join(KL_ESTIMATORS)}")
         if self.needs_reference(algo) and run.reference is None:
             errors.append(f"algorithm.kl_coef={algo.kl_coef} needs a reference role")
+        if run.env is not None and run.env.credit == "turn" and not self.turn_credit:
+            errors.append(f"env.credit='turn': {self.name} weighs whole sequences by one advantage; use "
+                          "env.credit: episode, or another algorithm")
         if algo.kl_in_reward and not self.per_token_rewards:
             # the KL would be computed and dropped: it is in neither the reward nor the loss
             errors.append(f"algorithm.kl_in_reward=True: {self.name} rewards whole sequences, there is no per-token "
@@ -206,6 +219,16 @@ class Algorithm:
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
         raise NotImplementedError
+
+    @staticmethod
+    def spread(seq_adv: torch.Tensor, batch: ScoredBatch, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """A group estimator's episode advantages ``[B]`` onto its tokens: every response token gets
+        its sequence's, or with per-turn rewards, each turn its reward-to-go against the same
+        baseline (:func:`~megarl.algorithms.advantages.turn_advantages`; ``scale``: what the
+        estimator divided the deviations by)."""
+        if batch.turn_rewards is None:
+            return broadcast(seq_adv, batch.mask)
+        return turn_advantages(seq_adv, batch.scores, batch.turn_rewards, batch.mask, scale)
 
     # --- losses
 

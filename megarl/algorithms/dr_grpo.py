@@ -9,7 +9,7 @@ aggregation "seq-mean-token-sum". Defaults: ``norm_std=false``, ``aggregation=se
 
 from __future__ import annotations
 
-from megarl.algorithms.advantages import broadcast, grpo_advantages
+from megarl.algorithms.advantages import grpo_advantages
 from megarl.algorithms.base import Estimate, ScoredBatch
 from megarl.algorithms.grpo import GRPO
 from megarl.config.schema import AlgorithmConfig
@@ -29,4 +29,4 @@ class DrGRPO(GRPO):
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
         seq = grpo_advantages(batch.scores, batch.group_size, norm_std=False)
-        return Estimate(broadcast(seq, batch.mask), batch.mask)
+        return Estimate(self.spread(seq, batch), batch.mask)

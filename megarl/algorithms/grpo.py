@@ -8,7 +8,7 @@ Dr. GRPO's recipe, also reachable as ``algorithm.name=dr_grpo``).
 
 from __future__ import annotations
 
-from megarl.algorithms.advantages import broadcast, grpo_advantages
+from megarl.algorithms.advantages import group_std_scale, grpo_advantages
 from megarl.algorithms.base import Algorithm, Estimate, ScoredBatch
 from megarl.config.schema import AlgorithmConfig
 
@@ -19,4 +19,5 @@ class GRPO(Algorithm):
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
         seq = grpo_advantages(batch.scores, batch.group_size, norm_std=bool(cfg.norm_std))
-        return Estimate(broadcast(seq, batch.mask), batch.mask)
+        scale = group_std_scale(batch.scores, batch.group_size) if cfg.norm_std else 1.0
+        return Estimate(self.spread(seq, batch, scale), batch.mask)

@@ -38,6 +38,7 @@ def _per_sequence(advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
 
 class GSPO(GRPO):
     name = "gspo"
+    turn_credit = False  # one ratio and one advantage per sequence
 
     def errors(self, cfg: AlgorithmConfig) -> list[str]:
         errors = []

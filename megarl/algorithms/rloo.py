@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from megarl.algorithms.advantages import broadcast, rloo_advantages
+from megarl.algorithms.advantages import rloo_advantages
 from megarl.algorithms.base import Algorithm, Estimate, ScoredBatch
 from megarl.config.schema import AlgorithmConfig
 
@@ -16,4 +16,4 @@ class RLOO(Algorithm):
     min_group_size = 2
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
-        return Estimate(broadcast(rloo_advantages(batch.scores, batch.group_size), batch.mask), batch.mask)
+        return Estimate(self.spread(rloo_advantages(batch.scores, batch.group_size), batch), batch.mask)

@@ -238,6 +238,11 @@ class EnvConfig:
     # Reward shaping: added once per episode, for its first tool call that parsed and ran without
     # an error (0: only the final answer is rewarded).
     tool_call_reward: float = 0.0
+    # Which rewards a policy token is credited with (megarl.algorithms.advantages.turn_advantages):
+    # episode: every policy token of an episode gets the episode's advantage (its rewards summed);
+    # turn: a turn's tokens get only the rewards from that turn on, so a reward the environment
+    # gave for an earlier turn credits that turn alone (reward-to-go, the group's baseline).
+    credit: str = "episode"
     max_concurrent_episodes: int = 64  # per engine
     # Episodes overlap: while one waits for a tool, the others generate. False: every turn waits
     # for all episodes' tools before any generates again (for measuring what overlap buys).

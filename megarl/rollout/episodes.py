@@ -63,6 +63,9 @@ class Trajectory:
     observations: list[list[int]] = field(default_factory=list)  # each observation's ids, as inserted
     info: dict[str, float] = field(default_factory=dict)  # the environment's counters, summed
     error: str = ""  # what ended an env_error episode
+    # The reward of each turn the environment answered, in order (``reward`` is their sum); a
+    # turn whose step failed or timed out has none, so there may be one fewer than ``turns``.
+    turn_rewards: list[float] = field(default_factory=list)
 
     def sample(self) -> RolloutSample:
         reason = "stop" if self.finish_reason == "done" else "length"
@@ -208,6 +211,7 @@ class EpisodeRunner:
     def _observed(self, episode: _Episode, result: StepResult, held: list, finish: Callable) -> None:
         traj = episode.traj
         traj.reward += float(result.reward)
+        traj.turn_rewards.append(float(result.reward))
         episode.add_info(result.info)
         if result.done:
             finish(episode, "done" if episode.turn_ended else "length")

@@ -69,3 +69,27 @@ def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple:
         group_size=sizes.pop(),
         temperature=temperature,
     )
+
+
+def turn_reward_tensor(turns: list[list[list[int]]], observations: list[list[list[int]]],
+                       turn_rewards: list[list[float]], batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]``: each episode's turn rewards on the label position of each turn's last token.
+
+    A response is turn, observation, turn, ... (``turns[i]`` and ``observations[i]`` in order, as
+    the episode runner recorded them); turn k's reward goes on its last token. What the turn
+    rewards leave of ``scores`` (a penalty added after the environment scored, or the whole
+    score of an episode read back without its turn rewards) goes on the last policy token, so
+    every row sums to its score.
+    """
+    out = torch.zeros_like(batch.mask, dtype=torch.float32)
+    for i, (episode_turns, episode_obs, rewards) in enumerate(zip(turns, observations, turn_rewards, strict=True)):
+        start, cursor = int(batch.prompt_lens[i]) - 1, 0  # label position of response token 0
+        for k, turn in enumerate(episode_turns):
+            cursor += len(turn)
+            if k < len(rewards) and turn:
+                out[i, start + cursor - 1] += rewards[k]
+            cursor += len(episode_obs[k]) if k < len(episode_obs) else 0
+        policy = batch.mask[i].nonzero()
+        if len(policy):
+            out[i, int(policy[-1])] += float(scores[i]) - float(sum(rewards[:len(episode_turns)]))
+    return out

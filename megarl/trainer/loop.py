@@ -46,7 +46,8 @@ def train(cfg: RunConfig) -> list[dict]:
                 values = critic.values(batch) if critic else None
             with run.phase("advantages"):
                 before = None if old is None else old["logprobs"]  # the actor's, for KL in the reward
-                scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values)
+                turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
+                scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns)
                 est = algorithm.estimate(cfg.algorithm, scored)
             with run.phase("actor_update"):
                 metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)

@@ -24,7 +24,7 @@ from megarl.rewards.base import RewardInput
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
-from megarl.trainer.batch import RolloutBatch, build_batch
+from megarl.trainer.batch import RolloutBatch, build_batch, turn_reward_tensor
 from megarl.trainer.rewards import RunReward
 from megarl.utils.abort import wait_all
 
@@ -119,6 +119,15 @@ class RolloutManager:
             scores = scores + penalty
             parts["reward/overlong_penalty"] = penalty
         return scores, parts
+
+    def turn_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
+        """Each turn's reward on its last token (``env.credit: turn``), rows summing to ``scores``;
+        None when every policy token of an episode is credited with the whole episode."""
+        if rollout.episodes is None or self.cfg.env is None or self.cfg.env.credit != "turn":
+            return None
+        episodes = rollout.episodes
+        return turn_reward_tensor([t.turns for t in episodes], [t.observations for t in episodes],
+                                  [t.turn_rewards for t in episodes], rollout.batch, scores)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the prompt stream stands: a resumed run serves exactly the prompts that came next."""

@@ -147,6 +147,8 @@ def _episode_tensors(index: int, episodes: list[Trajectory]) -> dict[str, torch.
     return {
         f"{index}.response_mask": _ints([m for t in episodes for m in t.response_mask]),
         f"{index}.rewards": torch.tensor([t.reward for t in episodes], dtype=torch.float64),
+        f"{index}.turn_rewards": torch.tensor([r for t in episodes for r in t.turn_rewards], dtype=torch.float64),
+        f"{index}.turn_reward_counts": _ints([len(t.turn_rewards) for t in episodes]),
         f"{index}.turn_lens": _ints([len(turn) for t in episodes for turn in t.turns]),
         f"{index}.turn_counts": _ints([len(t.turns) for t in episodes]),
         f"{index}.observation_lens": _ints([len(o) for t in episodes for o in t.observations]),
@@ -160,6 +162,9 @@ def _read_episodes(f, index: int, samples: list[RolloutSample], meta: list[dict]
     masks = _split(read["response_mask"], torch.tensor([len(s.response_ids) for s in samples]))
     turn_lens = _split(read["turn_lens"], read["turn_counts"])
     obs_lens = _split(read["observation_lens"], read["observation_counts"])
+    turn_rewards = [[] for _ in samples]  # older checkpoints kept only each episode's total
+    if f"{index}.turn_rewards" in f.keys():
+        turn_rewards = _split(f.get_tensor(f"{index}.turn_rewards"), f.get_tensor(f"{index}.turn_reward_counts"))
     episodes = []
     for i, sample in enumerate(samples):
         # turn, observation, turn, ...: an episode has one observation fewer than turns, or as many
@@ -171,5 +176,6 @@ def _read_episodes(f, index: int, samples: list[RolloutSample], meta: list[dict]
         episodes.append(Trajectory(
             sample.prompt_ids, sample.response_ids, masks[i], sample.logprobs, meta[i]["finish_reason"],
             float(read["rewards"][i]), turns=pieces[0::2], observations=pieces[1::2],
-            info=dict(meta[i]["info"]), error=meta[i]["error"]))
+            info=dict(meta[i]["info"]), error=meta[i]["error"],
+            turn_rewards=turn_rewards[i]))
     return episodes
