@@ -14,10 +14,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = bs.add_parser("refit", help="weight sync Megatron (tp, pp) -> vLLM tp: bytes and time vs raw transfer",
                       description="Syncs a model from an actor group into a vLLM engine and prints, per rollout "
                                   "rank, bytes received / bytes of its shard, the sync time against a raw transfer "
-                                  "of the same bytes on the same group, the full-tensor baseline, and peak memory.")
+                                  "of the same bytes on the same group, the full-tensor baseline, and peak memory; "
+                                  "beside them, the bytes a full-tensor broadcast and vLLM's nccl_m2n (whose "
+                                  "fallback sends every fused or renamed tensor whole to every rank) would move.")
     p.add_argument("--model", required=True, help="HF folder, megarl checkpoint or bundled:SmolLM2-135M-Instruct")
     p.add_argument("--train-tp", type=int, default=1)
     p.add_argument("--train-pp", type=int, default=1)
+    p.add_argument("--train-ep", type=int, default=1, help="expert parallel size of the actor (MoE models)")
     p.add_argument("--rollout-tp", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket cap in MiB (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs (median reported)")
@@ -51,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run_refit_cmd(args: argparse.Namespace) -> int:
     from megarl.bench.refit import RefitArgs, dumps, format_table, memory_overruns, run_refit
 
-    refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, rollout_tp=args.rollout_tp,
+    refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, train_ep=args.train_ep,
+                      rollout_tp=args.rollout_tp,
                       bucket_mib=args.bucket_mb, repeats=args.repeats, dtype=args.dtype,
                       baseline=not args.no_baseline)
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
@@ -65,8 +69,9 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
 
 # Options of the benchmarks that count or size something (lists: each entry); a zero divides or
 # starts an empty group of ranks, so they are refused before any rank starts.
-_AT_LEAST = {"train_tp": 1, "train_pp": 1, "rollout_tp": 1, "repeats": 1, "steps": 1, "rounds": 1, "threads": 1,
-             "batch": 1, "seq": 1, "hidden": 1, "layers": 1, "heads": 1, "ffn": 1, "vocab": 1, "seq_len": 1,
+_AT_LEAST = {"train_tp": 1, "train_pp": 1, "train_ep": 1, "rollout_tp": 1, "repeats": 1, "steps": 1, "rounds": 1,
+             "threads": 1, "batch": 1, "seq": 1, "hidden": 1, "layers": 1, "heads": 1, "ffn": 1, "vocab": 1,
+             "seq_len": 1,
              "micro_batch": 1, "global_batch": 1, "vocab_pad_multiple": 1, "ranks": 1, "tp": 1, "warmup": 0,
              "staleness": 0, "prompts": 1}
 _POSITIVE = ("bucket_mb", "tolerance")

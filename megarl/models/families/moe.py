@@ -3,8 +3,13 @@ MoE layer, each expert split over tensor-parallel ranks like a dense MLP, the ex
 expert-parallel ranks (canonical names carry the *global* expert index).
 
 megatron-core: ``mlp.router.weight`` and ``mlp.experts.local_experts.E.linear_fc1`` (gate then up,
-stacked) / ``linear_fc2`` (down). A family names its HF tensors with ``ExpertNames``. vLLM fuses
-all experts of a layer into one tensor, which the weight sync cannot fill yet.
+stacked) / ``linear_fc2`` (down). A family names its HF tensors with ``ExpertNames``.
+
+vLLM: the router is ``<router>`` (replicated), the experts one fused module per layer,
+``<experts>routed_experts.w13_weight`` ``[E, 2 * I / tp, H]`` (per expert its TP rank's gate rows,
+then its up rows) and ``w2_weight`` ``[E, H, I / tp]`` (per expert its TP rank's columns of down).
+The weight sync sees each expert's block as a tensor of its own (``recipes.block_name``): the
+same pieces as megatron-core's ``linear_fc1`` / ``linear_fc2`` of that expert.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.models.arch import ModelArch
-from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, whole
+from megarl.models.recipes import Piece, Recipe, ShardLayout, block_name, chunk, split_block, whole
 
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+# vLLM's fused expert tensors, after the family's experts prefix (``ExpertNames.expert`` less "{e}.")
+VLLM_W13, VLLM_W2 = "routed_experts.w13_weight", "routed_experts.w2_weight"
+# vLLM's dense MLP tensors, which a MoE layer does not have
+_DENSE_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,34 @@ class RoutedExperts:
             return Recipe(1, (Piece(q + n.down, start, stop),), (h, stop - start))
         return super().layer_recipe(arch, rest, prefix, layout)
 
+    def _vllm_experts(self, prefix: str) -> str:
+        return prefix + self.names.expert.replace("{e}.", "")
+
     def vllm_layer_names(self, arch: ModelArch, prefix: str) -> list[str]:
-        raise NotImplementedError("weight sync into vLLM's fused MoE experts is not supported yet")
+        dense = {prefix + rest for rest in _DENSE_MLP}
+        names = [n for n in super().vllm_layer_names(arch, prefix) if n not in dense]
+        experts = self._vllm_experts(prefix)
+        names.append(prefix + self.names.router)
+        for fused in (VLLM_W13, VLLM_W2):
+            names += [block_name(experts + fused, e) for e in range(arch.num_experts)]
+        return names
+
+    def vllm_layer_recipe(self, arch: ModelArch, rest: str, prefix: str, tp_rank: int, tp: int) -> Recipe | None:
+        n, h = self.names, arch.hidden_size
+        if rest == n.router:
+            return whole(prefix + rest, (arch.num_experts, h))
+        fused, expert = split_block(prefix + rest)
+        experts = self._vllm_experts(prefix)
+        if expert is not None and fused in (experts + VLLM_W13, experts + VLLM_W2):
+            q = prefix + n.expert.format(e=expert)
+            start, stop = chunk(arch.ffn_hidden_size, tp, tp_rank)
+            if fused.endswith(VLLM_W13):  # gate rows, then up rows
+                return Recipe(0, (Piece(q + n.gate, start, stop), Piece(q + n.up, start, stop)),
+                              (2 * (stop - start), h))
+            return Recipe(1, (Piece(q + n.down, start, stop),), (h, stop - start))
+        if rest in _DENSE_MLP:
+            return None
+        return super().vllm_layer_recipe(arch, rest, prefix, tp_rank, tp)
 
     def mlp_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
         # the router (replicated) is dense; each of this rank's experts is a tp-split SwiGLU
