@@ -121,3 +121,60 @@ def test_a_conversation_built_turn_by_turn_is_token_for_token_the_chat_templates
     # a turn cut by a limit gets the template's end of message before the observation
     cut = renderer.observation(observations[0], turn_ended=False)
     assert cut[0] == tokenizer.eos_token_id and cut[1:] == renderer.observation(observations[0], turn_ended=True)[:]
+
+
+# -- an environment and a tool of your own, by import path ----------------------------------------
+
+
+def test_an_environment_of_your_own_runs_from_its_import_path():
+    from megarl.config.schema import EnvConfig
+    from megarl.envs.registry import environment_factory
+
+    make = environment_factory(EnvConfig(kind="envs_of_our_own:GuessNumber", options={"guesses": 3}), [])
+    first, second = make(), make()  # one instance per episode: no shared state
+    assert first is not second
+
+    async def episode(env, actions):
+        await env.reset(EpisodeItem("Guess my number", {"answer": "7"}))
+        results = [await env.step(a) for a in actions]
+        return [(r.reward, r.done, [m.content for m in r.observation]) for r in results]
+
+    assert run(episode(first, ["3", "9", "7"])) == [(-0.1, False, ["higher"]), (-0.1, False, ["lower"]),
+                                                    (1.0, True, [])]
+    assert run(episode(second, ["x", "1", "2"])) == [(-0.1, False, ["not a number"]), (-0.1, False, ["higher"]),
+                                                     (-0.1, True, [])]
+
+
+def test_a_tool_of_your_own_runs_from_its_import_path():
+    from megarl.envs.tools.registry import build_tool
+
+    tool = build_tool("envs_of_our_own:Reverse", {"limit": 4})
+    env = ToolEnvironment([tool], HermesParser(), exact_reward)
+    run(env.reset(EpisodeItem("reverse it", {"answer": "x"})))
+    result = run(env.step('<tool_call>{"name": "reverse", "arguments": {"text": "abcdef"}}</tool_call>'))
+    assert [m.content for m in result.observation] == ["dcba"]
+
+
+@pytest.mark.parametrize("kind,options,message", [
+    ("no_such_package.envs:Env", {}, "env.kind: cannot import 'no_such_package.envs'"),
+    ("envs_of_our_own:Missing", {}, "env.kind: module 'envs_of_our_own' has no 'Missing'"),
+    ("envs_of_our_own:GuessNumber", {"rounds": 3}, "env.kind: env.options do not fit envs_of_our_own:GuessNumber"),
+    ("envs_of_our_own:NotAnEnvironment", {}, "lacks reset, step, tool_specs, close"),
+    ("tools", {"guesses": 3}, "env.options is for an environment of your own"),
+])
+def test_an_environment_of_your_own_is_checked_before_start(kind, options, message):
+    from megarl.config.schema import EnvConfig, RunConfig, ToolConfig
+    from megarl.validation.env_checks import env_setting_errors
+
+    tools = [ToolConfig(name="calculator")] if kind == "tools" else []
+    errors = env_setting_errors(RunConfig(env=EnvConfig(kind=kind, options=options, tools=tools)))
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_a_tool_of_your_own_is_checked_before_start():
+    from megarl.config.schema import EnvConfig, RunConfig, ToolConfig
+    from megarl.validation.env_checks import env_setting_errors
+
+    errors = env_setting_errors(RunConfig(env=EnvConfig(tools=[ToolConfig(name="envs_of_our_own:Reverse",
+                                                                           options={"size": 2})])))
+    assert errors == ["env.tools[0]: tool 'envs_of_our_own:Reverse' has no option 'size'; options: limit"]

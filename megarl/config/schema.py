@@ -225,7 +225,8 @@ class EnvConfig:
     """Multi-turn episodes (``megarl.envs``, run by ``megarl.rollout.episodes``): the policy speaks,
     the environment answers, until it is done or a limit is reached; only the policy's tokens train."""
 
-    kind: str = "tools"  # single_turn | tools | remote (megarl.envs.registry)
+    kind: str = "tools"  # single_turn | tools | remote (megarl.envs.registry) | package.module:Class (your own)
+    options: dict = field(default_factory=dict)  # your own class's constructor arguments
     tools: list[ToolConfig] = field(default_factory=list)
     tool_parser: str = "hermes"  # how tool calls are written: <tool_call>{json}</tool_call>
     # Messages shown between the system prompt and every episode's prompt ({role, content}; a

@@ -1,6 +1,8 @@
 """Environments by ``env.kind``: each episode gets a fresh instance from the factory this
 returns (per-episode state never leaks between episodes). Adding a kind is one module and one
-branch here."""
+branch here; a recipe's own environment is ``env.kind: package.module:Class``, one instance per
+episode made with ``env.options`` (and ``reward=``, the run's text reward terms, when its
+constructor takes one)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,35 @@ def environment_factory(env: EnvConfig, rewards: list[RewardTermConfig]) -> Call
         service = RemoteEnvironmentService(env.url, timeout_s=env.timeout_s, max_retries=env.max_retries,
                                            max_concurrency=env.max_concurrency)
         return service.episode
-    raise ValueError(f"env.kind {env.kind!r} must be one of {', '.join(ENV_KINDS)}")
+    from megarl.utils.imports import is_import_path
+
+    if is_import_path(env.kind):
+        return custom_environment(env, rewards)
+    raise ValueError(f"env.kind {env.kind!r} must be one of {', '.join(ENV_KINDS)} (or package.module:Class)")
+
+
+def custom_environment(env: EnvConfig, rewards: list[RewardTermConfig]) -> Callable[[], Environment]:
+    """The maker of ``env.kind``'s class with ``env.options``; one instance is made and checked
+    here, so a missing method or a bad option is refused before any episode runs."""
+    import inspect
+
+    from megarl.rewards.terms import WeightedText
+    from megarl.utils.imports import load_object
+
+    cls = load_object(env.kind)
+    if not inspect.isclass(cls):
+        raise ValueError(f"env.kind {env.kind!r} is not a class")
+    options = dict(env.options)
+    if "reward" in inspect.signature(cls).parameters:
+        options["reward"] = WeightedText(rewards)
+    try:
+        probe = cls(**options)
+    except TypeError as exc:
+        raise ValueError(f"env.options do not fit {env.kind}: {exc}") from None
+    missing = [m for m in ("reset", "step", "tool_specs", "close") if not callable(getattr(probe, m, None))]
+    if missing:
+        raise ValueError(f"env.kind {env.kind!r} lacks {', '.join(missing)} (see megarl.envs.base.Environment)")
+    return lambda: cls(**options)
 
 
 def tool_instructions(env: EnvConfig, tool_specs: list[dict]) -> str:

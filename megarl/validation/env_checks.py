@@ -36,10 +36,21 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
         return []
     from megarl.envs.registry import ENV_KINDS
     from megarl.envs.tool_parsers.registry import PARSERS
+    from megarl.utils.imports import is_import_path
 
     errors: list[str] = []
-    if env.kind not in ENV_KINDS:
-        return [f"env.kind={env.kind!r} must be one of {', '.join(ENV_KINDS)}"]
+    if is_import_path(env.kind):
+        from megarl.envs.registry import custom_environment
+
+        try:
+            custom_environment(env, cfg.rewards)
+        except ValueError as exc:
+            errors.append(f"env.kind: {exc}")
+    elif env.kind not in ENV_KINDS:
+        return [f"env.kind={env.kind!r} must be one of {', '.join(ENV_KINDS)} (or package.module:Class)"]
+    elif env.options:
+        errors.append(f"env.options is for an environment of your own (env.kind: package.module:Class), "
+                      f"not {env.kind!r}")
     if env.kind == "tools":
         errors += _tool_errors(cfg)
         if env.tool_parser not in PARSERS:
