@@ -173,3 +173,25 @@ def test_parquet_rows_are_records_and_a_bad_row_is_named(tmp_path, policy):
     pq.write_table(pa.Table.from_pylist([*_pair_records(2), {"prompt": "x", "chosen": "1", "rejected": ""}]), path)
     with pytest.raises(DataError, match=r"pairs.parquet: row 2: 'rejected' is missing"):
         load_examples(str(path), "dpo", tokenizer, max_len=128)
+
+
+def test_a_conversation_ends_where_generation_ends(smollm2):
+    """SmolLM2's template writes a newline after each ``<|im_end|>``; the engine stops at the eos
+    (``<|im_end|>``) and never generates it. Training sequences end at the last eos, so a reward
+    model learns its score at the token where PPO reads it, and an assistant turn's completion
+    tokens are exactly what the policy generates for it (the newline stays context between turns)."""
+    import transformers
+
+    from megarl.data.supervised import conversation
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
+    eos = tokenizer.eos_token_id
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6"}]
+    seq = conversation(tokenizer, messages, "test", max_len=256)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True)
+    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert rendered[-2:] == [eos, *tokenizer.encode("\n")]  # what the template writes
+    assert list(seq.tokens) == rendered[:-1] and seq.tokens[-1] == eos
+    turns = tokenizer.decode([t for t, c in zip(seq.tokens, seq.completion, strict=True) if c])
+    assert turns == "4<|im_end|>6<|im_end|>"

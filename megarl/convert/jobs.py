@@ -107,9 +107,13 @@ def _set_config_dtype(config_path: Path, dtype: str, value_head: bool = False) -
             cfg["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification")
                                     for a in cfg.get("architectures") or []]
             cfg["num_labels"], cfg["id2label"], cfg["label2id"] = 1, {"0": "LABEL_0"}, {"LABEL_0": 0}
-            if cfg.get("pad_token_id") is None and isinstance(cfg.get("eos_token_id"), int):
-                # transformers scores a sequence's last token that is not padding: padding must be set
-                cfg["pad_token_id"] = cfg["eos_token_id"]
+            if cfg.get("pad_token_id") is not None and cfg.get("pad_token_id") == cfg.get("eos_token_id"):
+                # transformers scores a sequence's last token that is not padding; megarl (and vLLM's
+                # last-token pooling) score the last token, the eos a finished response ends with.
+                # Padding that equals the eos would move transformers' score one token back, so the
+                # classifier has none: one sequence per call scores as megarl does (transformers
+                # refuses a padded batch without a pad token rather than scoring the wrong token).
+                cfg["pad_token_id"] = None
         write_text_atomic(config_path, json.dumps(cfg, indent=2))
 
 
