@@ -196,6 +196,8 @@ CASES = [
     Case("save-every-negative", "range", "trainer.save_every=-1 must be >= 0", args=("trainer.save_every=-1",)),
     Case("bucket-zero", "range", "trainer.bucket_mib=0.0 must be > 0", args=("trainer.bucket_mib=0",)),
     Case("staleness-negative", "range", "trainer.max_staleness=-1 must be >= 0", args=("trainer.max_staleness=-1",)),
+    Case("critic-warmup-without-critic", "range", "trainer.critic_warmup=2 needs a critic",
+         args=("trainer.critic_warmup=2",)),
     Case("staleness-colocated", "late", "trainer.max_staleness=1 needs rollout on its own resources",
          args=("trainer.max_staleness=1", "rollout.colocate_with=actor")),
     # multi-turn episodes (env): every problem named by its field before any engine starts

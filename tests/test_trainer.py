@@ -332,10 +332,12 @@ def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward
         "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=1",
         "critic.micro_batch_size=1", "reference.micro_batch_size=4", "reward_model.micro_batch_size=4",
         "trainer.tensorboard=false", "trainer.wandb=false", "trainer.verify_sync=first",
-        "rewards=[{kind: model, weight: 1.0}]", "eval.sets=[]",
+        "rewards=[{kind: model, weight: 1.0}]", "eval.sets=[]", "trainer.critic_warmup=1",
     ]
     history = train(_config(overrides))
     assert [h["step"] for h in history] == [1, 2]
+    # critic warmup: step 1 updates the critic only, step 2 both
+    assert "actor/pg_loss" not in history[0] and "actor/pg_loss" in history[1]
     for h in history:
         assert all(math.isfinite(v) for v in h.values() if not isinstance(v, list)), h
         assert h["critic/value_loss"] > 0

@@ -325,6 +325,10 @@ class TrainerConfig:
     # by the weights after update s - 1 - k (megarl.trainer.rollout_queue). 0: generate, then
     # train, in lockstep. Needs rollout on its own resources (rollout.colocate_with unset).
     max_staleness: int = 0
+    # PPO: the first N steps update the critic only, the actor waits. A critic started from a
+    # reward model predicts the score of a finished answer at every token, not the value of a
+    # partial one: its first advantages would push the actor around with that error.
+    critic_warmup: int = 0
 
 
 @dataclass

@@ -40,8 +40,10 @@ def train(cfg: RunConfig) -> list[dict]:
                 scores, parts = rollout.score(samples, reward_model.scores(batch) if reward_model else None)
             with run.phase("reference"):
                 ref = reference.logprobs(batch) if reference else None
+            warming = run.step <= cfg.trainer.critic_warmup  # the critic learns first, the actor waits
             with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
-                old = actor.logprobs(batch, entropy=True) if algorithm.needs_old_logprobs(cfg.algorithm) else None
+                needed = warming or algorithm.needs_old_logprobs(cfg.algorithm)
+                old = actor.logprobs(batch, entropy=True) if needed else None
             with run.phase("critic_values"):
                 values = critic.values(batch) if critic else None
             with run.phase("advantages"):
@@ -49,9 +51,11 @@ def train(cfg: RunConfig) -> list[dict]:
                 turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
                 scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns)
                 est = algorithm.estimate(cfg.algorithm, scored)
-            with run.phase("actor_update"):
-                metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
-                old = old or fresh
+            metrics = {}
+            if not warming:
+                with run.phase("actor_update"):
+                    metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
+                    old = old or fresh
             if critic:
                 with run.phase("critic_update"):
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]

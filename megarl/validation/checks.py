@@ -209,6 +209,11 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
     if cfg.trainer.resume not in ("auto", "never"):
         errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
+    if cfg.trainer.critic_warmup > 0 and cfg.critic is None:
+        errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.name: ppo)")
+    elif cfg.trainer.critic_warmup >= cfg.trainer.steps > 0:
+        errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} leaves no step of trainer.steps="
+                      f"{cfg.trainer.steps} to train the actor")
     if cfg.trainer.max_staleness > 0 and cfg.rollout.colocate_with is not None:
         # colocated, vLLM and the roles take turns on the same device: nothing to overlap
         errors.append(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout on its own resources, but "
@@ -303,6 +308,7 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("trainer.collective_timeout_s", tr.collective_timeout_s, "(0, inf)"),
         ("trainer.watchdog_interval_s", tr.watchdog_interval_s, "(0, inf)"),
         ("trainer.max_staleness", tr.max_staleness, "[0, inf)"),
+        ("trainer.critic_warmup", tr.critic_warmup, "[0, inf)"),
     ]
     for i, term in enumerate(cfg.rewards):
         checks += [
