@@ -15,6 +15,7 @@
 # proctrack/cgroup where cgroup v1's freezer is mounted (Slurm then kills every process a
 # job left behind, Ray's included), else proctrack/linuxproc.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_common.sh"
 
 DIR=${MEGARL_SLURM_DIR:-/var/lib/megarl-slurm}
 CONF=$DIR/slurm.conf
@@ -37,21 +38,11 @@ install_packages() {
 
 write_config() {
     mkdir -p "$DIR/spool/ctld" "$DIR/spool/d" "$DIR/log" "$DIR/run"
-    local cpus mem_mib proctrack=proctrack/linuxproc
+    local cpus mem_mib proctrack
     cpus=$(nproc --all)
     # RealMemory a little under MemTotal: slurmd drains a node reporting less than configured.
     mem_mib=$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.95)}' /proc/meminfo)
-    if [[ -d /sys/fs/cgroup/freezer ]]; then
-        proctrack=proctrack/cgroup
-        cat > "$DIR/cgroup.conf" <<CGROUP
-# Written by launch/ci/slurm_localhost.sh: track job processes, constrain nothing.
-CgroupPlugin=cgroup/v1
-CgroupMountpoint=/sys/fs/cgroup
-ConstrainCores=no
-ConstrainRAMSpace=no
-ConstrainDevices=no
-CGROUP
-    fi
+    proctrack=$(cgroup_proctrack "$DIR" slurm_localhost.sh)
     cat > "$CONF" <<SLURM
 # Written by launch/ci/slurm_localhost.sh: a one-node cluster on $NODE.
 ClusterName=megarl-ci
@@ -66,19 +57,7 @@ SlurmctldPidFile=$DIR/run/slurmctld.pid
 SlurmdPidFile=$DIR/run/slurmd.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd.log
-ProctrackType=$proctrack
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-# sacct needs slurmdbd; finished jobs are read with scontrol, kept this long (s):
-MinJobAge=3600
-JobCompType=jobcomp/filetxt
-JobCompLoc=$DIR/log/jobcomp.txt
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-ReturnToService=2
-KillWait=10
+$(scheduling_settings "$DIR" "$proctrack")
 NodeName=$NODE CPUs=$cpus RealMemory=$mem_mib State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 SLURM
