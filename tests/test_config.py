@@ -416,8 +416,14 @@ def test_ep_must_divide_the_data_parallel_ranks(mixtral_dir):
 
 
 def test_ep_valid_for_moe(mixtral_dir):
-    archs = validate_run(actor_run(mixtral_dir, ep=2, tp=2, world_size=4), CPU)
+    archs = validate_run(actor_run(mixtral_dir, ep=2, tp=2, world_size=4, sequence_parallel=True), CPU)
     assert (archs["actor"].num_experts, archs["actor"].moe_topk) == (4, 2)
+
+
+def test_training_experts_under_tensor_parallelism_needs_sequence_parallelism(mixtral_dir):
+    # megatron-core refuses it in the first training step; here it is one line before any rank starts
+    message = invalid(actor_run(mixtral_dir, tp=2, world_size=2))
+    assert "actor.parallel.sequence_parallel must be true to train a mixture-of-experts model at tp=2" in message
 
 
 @pytest.mark.parametrize(("pp", "vpp"), [(1, 2), (2, 1)])
