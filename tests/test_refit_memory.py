@@ -31,7 +31,8 @@ TP = 3
 def _result(rollout_peak: int, actor_peak: int = 0) -> dict:
     limit = 100 * 2**20
     return {
-        "model": "m", "params": 1, "dtype": "float32", "train_tp": 1, "train_pp": 3, "rollout_tp": 3,
+        "model": "m", "params": 1, "dtype": "float32", "train_tp": 1, "train_pp": 3, "train_ep": 1, "rollout_tp": 3,
+        "full_broadcast_bytes_ratio": 3.0, "m2n_fallback_bytes_ratio": 2.5,
         "bucket_bytes": 64 * 2**20, "repeats": 1, "bytes_ratio": 1.0, "sync_seconds": 1.0, "raw_seconds": 1.0,
         "time_ratio": 1.0,
         "ranks": [{"rank": r, "received_bytes": 1, "shard_bytes": 1, "bytes_ratio": 1.0, "receive_seconds": 1.0,
@@ -47,7 +48,7 @@ def test_bench_exits_nonzero_naming_the_rank_over_its_limit(rollout_peak, actor_
     from megarl.bench import cli, refit
 
     monkeypatch.setattr(refit, "run_refit", lambda args, progress=print: _result(rollout_peak, actor_peak))
-    args = argparse.Namespace(model="m", train_tp=1, train_pp=3, rollout_tp=3, bucket_mb=64.0, repeats=1,
+    args = argparse.Namespace(model="m", train_tp=1, train_pp=3, train_ep=1, rollout_tp=3, bucket_mb=64.0, repeats=1,
                               dtype="float32", no_baseline=True, json=False)
     assert cli.run_refit_cmd(args) == code
     out, err = capsys.readouterr()
