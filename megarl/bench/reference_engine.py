@@ -40,9 +40,11 @@ class ReferenceTransferExtension(WeightSyncExtension):
         model = self._megarl_model()
         started = time.perf_counter()
         # Prepacked (emptied) weights must exist again before vLLM's loaders copy into them.
+        modules = self._megarl_modules()
         for name, param in model.named_parameters():
             if param.numel() == 0:
-                param.data = torch.empty(self._megarl_logical_shape(name, param), dtype=param.dtype,
+                module = modules[name.rsplit(".", 1)[0]]
+                param.data = torch.empty(self._megarl_logical_shape(name, param, module), dtype=param.dtype,
                                          device=param.device)
         received = 0
         index = torch.empty(1, dtype=torch.int64)

