@@ -372,3 +372,11 @@ def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: 
         return fn("pref", batch, settings, optim, micro_batch_size)
     finally:
         megatron_model.unload("pref")
+
+
+def param_dtypes(hf_dir: str, dtype: str) -> list[str] | None:
+    """The dtypes of a freshly built model's parameters, rank 0 only."""
+    spec = ModelSpec(arch_from_hf_dir(hf_dir), ParallelConfig(), PrecisionConfig(dtype=dtype))
+    with megatron_parallel(spec.parallel):
+        chunks = build_model_chunks(spec)
+        return sorted({str(p.dtype) for c in chunks for p in c.parameters()}) if dist.get_rank() == 0 else None

@@ -40,10 +40,11 @@ def test_one_real_step_gives_a_finite_loss_and_the_mfu_from_the_given_peak(tmp_p
         "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     (arch_dir / "config.json").write_text(json.dumps(config))
     result = run_mfu_bench(MfuBenchArgs(archs=[str(arch_dir)], seq=32, steps=2, warmup=1, dtype="float32",
-                                        peak_tflops=1.0), progress=lambda *a: None)
+                                        peak_tflops=1.0, profile=True), progress=lambda *a: None)
     (row,) = result["rows"]
     assert "error" not in row, row
     assert len(row["losses"]) == 2 and all(0 < loss < 20 for loss in row["losses"])
     assert row["tokens_per_s"] == pytest.approx(32 / row["seconds"])
     assert row["mfu"] == pytest.approx(row["model_tflops"])  # peak 1 TFLOP/s
     assert "tiny" in format_table(result)
+    assert "aten::mm" in row["profile"]  # --profile: the top operators of two more steps

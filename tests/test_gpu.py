@@ -100,13 +100,17 @@ def test_cuda_vocab_parallel_logprobs_use_a_quarter_of_the_naive_memory(pools):
 def test_cuda_packing_matches_the_padded_path(pools, tiny_models, tiny_reward_model):
     """Token budgets, packed rows and shared prompts give the padded path's log-probs, values and
     policy step on CUDA (THD with Transformer Engine, the explicit mask on the local spec)."""
-    from test_rl_fns import _batch
+    from test_rl_fns import _batch, _hf_policy_loss_and_grad_norm
 
     from megarl.config.schema import AlgorithmConfig, OptimizerConfig
 
     batch = _batch(seed=2, batch=8, prompt=5, seq=32)
     batch["tokens"][:, :5] = batch["tokens"][::4, :5].repeat_interleave(4, dim=0)
-    batch["old_logprobs"] = torch.zeros_like(batch["mask"])
+    # old log-probs near the model's own (as a rollout's are): zeros made every ratio ~1/vocab, a
+    # gradient too small for the step to move the weights measurably past the comparison tolerance
+    _, _, lp_hf = _hf_policy_loss_and_grad_norm(str(tiny_models["llama"]), batch)
+    batch["old_logprobs"] = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
+        * batch["mask"]
     batch["denoms"] = [batch["mask"].sum().item()]
     out = _one(pools.get(1).run(rank_jobs.packing_vs_padded, hf_dir=str(tiny_models["llama"]),
                                 reward_dir=str(tiny_reward_model), parallel=ParallelConfig(), batch=batch,

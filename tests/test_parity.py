@@ -8,6 +8,7 @@ layout, which also checks megatron-core's resharding of what megarl wrote.
 from __future__ import annotations
 
 import pytest
+import rank_jobs
 import torch
 from conftest import hf_logits, random_tokens
 
@@ -210,3 +211,11 @@ def test_smollm2_real_weights(tp, pools, smollm2, smollm2_checkpoint, smollm2_ba
                                           parallel=ParallelConfig(tp=tp, world_size=3), tokens=tokens))
         assert (logits - expected).abs().max().item() <= TOL
         assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.99
+
+
+def test_a_bfloat16_model_is_bfloat16_throughout(pools, tiny_models):
+    """Norms included: the local spec builds torch norms in fp32 whatever params_dtype says, which made
+    every rms_norm of a BF16 model a mixed-dtype call that CUDA runs unfused (seen on an H200)."""
+    results = [r for r in pools.get(4).run(rank_jobs.param_dtypes, hf_dir=str(tiny_models["qwen3"]), dtype="bfloat16")
+               if r is not None]
+    assert results == [["torch.bfloat16"]]

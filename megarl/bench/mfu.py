@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class MfuBenchArgs:
     dtype: str = "bfloat16"
     recompute: str = "none"  # none | selective | full
     peak_tflops: float | None = None
+    profile: bool = False  # also profile two more steps; each row gets its top operators by device time
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,25 @@ def check_args(args: MfuBenchArgs) -> None:
         raise ConfigError("invalid benchmark:\n  " + "\n  ".join(errors))
 
 
+def _profiled_ops(step, rows: int = 25) -> str:
+    """torch.profiler's table of the top operators by device time (self CPU time on CPU) over two
+    calls of ``step``: where the step's time goes, for the MFU gap."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": not ours to act on
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                step()
+    sort_by = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+
+
 def train_steps_on_rank(arch_name: str, seq: int, micro_batch: int, microbatches: int, steps: int, warmup: int,
-                        dtype: str, recompute: str) -> dict[str, Any]:
+                        dtype: str, recompute: str, profile: bool = False) -> dict[str, Any]:
     """Builds the model on this rank and times ``steps`` training steps (SpmdPool rank function)."""
     import torch
 
@@ -144,13 +163,20 @@ def train_steps_on_rank(arch_name: str, seq: int, micro_batch: int, microbatches
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
                     losses.append(float(result["metrics"][-1]["lm_loss"]))
+            peak_gib = torch.cuda.max_memory_allocated() / 2**30 if platform.is_gpu else None
+            ops = None
+            if profile:
+                def one_step():
+                    train_step(chunks, optimizer, batches, loss_fn, logits_forward)
+                    platform.synchronize()
+                ops = _profiled_ops(one_step)
         except torch.cuda.OutOfMemoryError as e:
             return {"error": f"out of device memory: {str(e).splitlines()[0]}"}
         params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     return {"seconds": sorted(times)[len(times) // 2], "all_seconds": times, "losses": losses, "params": params,
             "layer_spec": platform.layer_spec_kind,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if platform.is_gpu else None,
-            "device": torch.cuda.get_device_name() if platform.is_gpu else "cpu"}
+            "peak_gib": peak_gib, "device": torch.cuda.get_device_name() if platform.is_gpu else "cpu",
+            **({"profile": ops} if ops is not None else {})}
 
 
 def run_mfu_bench(args: MfuBenchArgs, progress=print) -> dict[str, Any]:
@@ -166,7 +192,7 @@ def run_mfu_bench(args: MfuBenchArgs, progress=print) -> dict[str, Any]:
         with SpmdPool(1) as pool:  # a fresh process per model: device memory starts empty
             (out,) = pool.run(train_steps_on_rank, arch_name=name, seq=args.seq, micro_batch=args.micro_batch,
                               microbatches=args.microbatches, steps=args.steps, warmup=args.warmup,
-                              dtype=args.dtype, recompute=args.recompute)
+                              dtype=args.dtype, recompute=args.recompute, profile=args.profile)
         row: dict[str, Any] = {"arch": name, **out}
         if "error" not in out:
             flops = step_flops(load_arch(name), args.seq)
@@ -225,6 +251,8 @@ def add_parser(bs: argparse._SubParsersAction) -> None:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense peak in TFLOP/s (default: the GPU's datasheet BF16 rate; "
                         "without it on CPU no MFU is printed)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile two more steps and print each model's top operators by device time")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_mfu_cmd)
 
@@ -235,8 +263,12 @@ def run_mfu_cmd(args: argparse.Namespace) -> int:
     bench = MfuBenchArgs(archs=[a for a in args.arch.split(",") if a.strip()], seq=args.seq,
                          micro_batch=args.micro_batch, microbatches=args.microbatches, steps=args.steps,
                          warmup=args.warmup, dtype=args.dtype or current_platform().default_dtype,
-                         recompute=args.recompute, peak_tflops=args.peak_tflops)
+                         recompute=args.recompute, peak_tflops=args.peak_tflops, profile=args.profile)
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     result = run_mfu_bench(bench, progress=progress)
+    if not args.json:
+        for row in result["rows"]:
+            if "profile" in row:
+                print(f"{row['arch']}: top operators over two profiled steps\n{row['profile']}")
     print(dumps(result) if args.json else format_table(result), flush=True)
     return 1 if any("error" in r for r in result["rows"]) else 0

@@ -133,6 +133,19 @@ def _rope_inv_freq(model, arch: ModelArch) -> None:
     rope.inv_freq = base.to(rope.inv_freq.device)
 
 
+def _norms_in_params_dtype(model, dtype: torch.dtype) -> None:
+    """The local spec's norms are torch modules built in fp32 whatever ``params_dtype`` says
+    (megatron-core's ``WrappedTorchNorm`` passes no dtype). In a BF16 model that makes every
+    ``rms_norm`` a mixed-dtype call, which CUDA runs unfused (and warns about, once per process),
+    and keeps the norm weights out of the BF16 layout that Transformer Engine's norms, HF and
+    vLLM all use."""
+    if dtype == torch.float32:
+        return
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
+
+
 def build_model(spec: ModelSpec, vp_stage: int | None = None):
     """Builds this rank's model chunk (call inside ``megatron_parallel``)."""
     from megatron.core import parallel_state as ps
@@ -154,6 +167,7 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
         vp_stage=vp_stage,
     )
     _rope_inv_freq(model, spec.arch)
+    _norms_in_params_dtype(model, config.params_dtype)
     if spec.value_head and post:
         model.output_layer = ValueHead(config, spec.arch.hidden_size)
     current_platform().place_module(model)
