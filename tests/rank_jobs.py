@@ -380,3 +380,27 @@ def param_dtypes(hf_dir: str, dtype: str) -> list[str] | None:
     with megatron_parallel(spec.parallel):
         chunks = build_model_chunks(spec)
         return sorted({str(p.dtype) for c in chunks for p in c.parameters()}) if dist.get_rank() == 0 else None
+
+
+def moe_routing_step(hf_dir: str, parallel: ParallelConfig, moe, tokens: torch.Tensor) -> dict | None:
+    """A MoE model built with the routing settings ``moe`` (a MoeConfig): its log-probs of ``tokens``,
+    then one next-token training step on them (split over data-parallel ranks): the step's
+    auxiliary-loss metrics and the summed |gradient| of the router weights. Rank 0 reports."""
+    from megarl.workers import megatron_model
+
+    megatron_model.load("moe", hf_dir, parallel, moe=moe)
+    logprobs = megatron_model.token_logprobs("moe", tokens)
+    model = megatron_model.held("moe")
+    model.chunks = wrap_ddp(model.chunks)
+    model.optimizer = build_optimizer(model.chunks, OptimizerConfig(lr=1e-3))
+    local = tokens.chunk(model.info.dp)[model.info.dp_rank]
+    batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
+             "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
+    result = train_step(model.chunks, model.optimizer, [batch], lm_loss_fn(model.spec.arch.vocab_size),
+                        logits_forward)
+    router_grad = sum(float(p.main_grad.abs().sum()) for name, p in model.chunks[0].named_parameters()
+                      if "router" in name)
+    megatron_model.unload("moe")
+    if dist.get_rank() != 0:
+        return None
+    return {"logprobs": logprobs, "moe": result["moe"], "router_grad": router_grad}

@@ -182,7 +182,7 @@ def test_unknown_override_key_names_the_dotted_key_and_suggests():
 
 def test_unknown_key_lists_known_keys_when_nothing_is_close():
     with pytest.raises(ConfigError, match=r"unknown key 'actor\.zzzz'; known keys here: "
-                                          r"model, parallel, precision, optim, recompute, micro_batch_size, "
+                                          r"model, parallel, precision, optim, recompute, moe, micro_batch_size, "
                                           r"max_tokens_per_microbatch, pack_sequences, share_prompt, "
                                           r"colocate_with, cpus_per_rank, gpus_per_rank$"):
         load_config(RunConfig, None, ["actor.zzzz=1"])
@@ -635,3 +635,36 @@ def test_packing_refuses_context_parallel_and_local_sliding_windows(tmp_path):
     assert "actor.share_prompt needs actor.parallel.cp=1" in message
     assert "actor.share_prompt: mistral attends within a sliding window" in message
     assert "actor.share_prompt needs the local attention's explicit mask" in invalid(cfg, GPU_TE)
+
+
+def test_moe_routing_settings_are_checked_before_start(mixtral_dir, llama_dir):
+    from dataclasses import replace
+
+    from megarl.config.schema import MoeConfig
+
+    def with_moe(model_dir, **moe):
+        cfg = actor_run(model_dir, ep=2, world_size=2)
+        return replace(cfg, actor=replace(cfg.actor, moe=MoeConfig(**moe)))
+
+    assert "actor" in validate_run(with_moe(mixtral_dir, load_balancing="seq_aux_loss", aux_loss_coeff=1e-3,
+                                            capacity_factor=1.25, pad_to_capacity=True), CPU)
+    assert "actor.moe is set but the model is dense" in invalid(with_moe(llama_dir, capacity_factor=1.0))
+    message = invalid(with_moe(mixtral_dir, load_balancing="sinkhorn", aux_loss_coeff=-1, z_loss_coeff=0,
+                               capacity_factor=0, token_drop_policy="random", pad_to_capacity=True))
+    for fragment in ("actor.moe.load_balancing='sinkhorn' must be one of none, aux_loss",
+                     "actor.moe.aux_loss_coeff must",
+                     "actor.moe.z_loss_coeff must be > 0", "actor.moe.capacity_factor must be > 0",
+                     "actor.moe.token_drop_policy='random'"):
+        assert fragment in message, (fragment, message)
+    assert "need a weight" not in message
+    assert "go together" in invalid(with_moe(mixtral_dir, aux_loss_coeff=0.01))
+    assert "go together" in invalid(with_moe(mixtral_dir, load_balancing="aux_loss"))
+    assert "actor.moe.pad_to_capacity needs actor.moe.capacity_factor" in invalid(with_moe(mixtral_dir,
+                                                                                          pad_to_capacity=True))
+
+
+def test_moe_section_loads_from_overrides():
+    cfg = load_config(RunConfig, None, ["actor.moe.load_balancing=aux_loss", "actor.moe.aux_loss_coeff=0.01",
+                                        "actor.moe.capacity_factor=1.5"])
+    assert (cfg.actor.moe.load_balancing, cfg.actor.moe.aux_loss_coeff, cfg.actor.moe.capacity_factor) == \
+        ("aux_loss", 0.01, 1.5)

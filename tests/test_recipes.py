@@ -29,7 +29,7 @@ def test_there_are_recipes():
     assert RECIPES
     names = {r.stem for r in _cluster_recipes()}
     assert {"llama3.1_8b_ppo", "llama3.1_70b_grpo", "llama3.1_405b_grpo", "qwen2.5_7b_grpo", "qwen2.5_32b_grpo",
-            "qwen2.5_72b_grpo", "mixtral_8x7b_grpo"} <= names
+            "qwen2.5_72b_grpo", "mixtral_8x7b_grpo", "qwen3_30b_a3b_grpo", "qwen3_235b_a22b_grpo"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])

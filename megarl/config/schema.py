@@ -101,6 +101,36 @@ class RecomputeConfig:
     modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective only
 
 
+MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
+MOE_TOKEN_DROP_POLICIES = ("probs", "position")
+
+
+@dataclass
+class MoeConfig:
+    """How a mixture-of-experts role routes in training, as megatron-core's router takes it
+    (MoE models only; the defaults train every token on its top-k experts with no extra loss).
+
+    ``load_balancing``: the auxiliary loss that evens out expert load (switch-style ``aux_loss``
+    over the micro-batch, ``seq_aux_loss`` per sequence, ``global_aux_loss`` over the global
+    batch), weighted by ``aux_loss_coeff``; ``z_loss_coeff`` keeps router logits small. Both go
+    into the gradient only, and are logged as ``train/moe/<name>``.
+    ``capacity_factor``: each expert takes at most factor x (its even share of the tokens); the
+    rest are dropped by ``token_drop_policy`` (lowest router probability, or latest position).
+    vLLM never drops, so dropping in training adds train/rollout mismatch.
+    """
+
+    load_balancing: str = "none"  # none | aux_loss | seq_aux_loss | global_aux_loss
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float | None = None
+    capacity_factor: float | None = None  # None: no token dropping
+    token_drop_policy: str = "probs"  # probs | position
+    pad_to_capacity: bool = False  # pad each expert's input to its capacity (fixed shapes)
+
+    @property
+    def is_default(self) -> bool:
+        return self == MoeConfig()
+
+
 @dataclass
 class RoleConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -108,6 +138,7 @@ class RoleConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)  # trained roles only
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # trained roles only
+    moe: MoeConfig = field(default_factory=MoeConfig)  # trained mixture-of-experts roles only
     micro_batch_size: int = 8  # sequences per forward/backward micro-batch
     # Micro-batches by token budget: each holds at most this many token positions (rows x
     # longest sequence, padding included), cut to its longest sequence, so short sequences

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megarl.config.schema import ParallelConfig, PrecisionConfig, RecomputeConfig
+from megarl.config.schema import MoeConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megarl.models.arch import family_of
 from megarl.models.hf_arch import ModelArch
 from megarl.models.layout import padded_vocab_size
@@ -34,6 +34,7 @@ class ModelSpec:
     # A checkpoint fixes its padded vocab; it is reused at any layout whose tp divides it.
     padded_vocab_override: int | None = None
     recompute: RecomputeConfig | None = None  # activation recompute in training (None: none)
+    moe: MoeConfig | None = None  # a MoE model's routing in training (None: the defaults)
 
     @property
     def padded_vocab(self) -> int:
@@ -44,6 +45,18 @@ class ModelSpec:
     @property
     def params_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.precision.dtype]
+
+
+def moe_kwargs(moe: MoeConfig | None) -> dict:
+    """megatron-core's TransformerConfig fields for a MoE role's ``moe`` section (over the family's)."""
+    if moe is None:
+        return {}
+    out = {"moe_router_load_balancing_type": moe.load_balancing, "moe_aux_loss_coeff": moe.aux_loss_coeff,
+           "moe_z_loss_coeff": moe.z_loss_coeff}
+    if moe.capacity_factor is not None:
+        out |= {"moe_expert_capacity_factor": moe.capacity_factor, "moe_token_drop_policy": moe.token_drop_policy,
+                "moe_pad_expert_input_to_capacity": moe.pad_to_capacity}
+    return out
 
 
 def recompute_kwargs(rc: RecomputeConfig | None) -> dict:
@@ -63,6 +76,8 @@ def transformer_config(spec: ModelSpec):
     platform = current_platform()
     kwargs = recompute_kwargs(spec.recompute)
     kwargs.update(family_of(arch).transformer_config_kwargs(arch))  # e.g. MoE routing, QK norm
+    if arch.is_moe:
+        kwargs.update(moe_kwargs(spec.moe))
     if prec.fp8 is not None:
         kwargs.update(fp8=prec.fp8, fp8_recipe=prec.fp8_recipe,
                       fp8_amax_history_len=prec.fp8_amax_history_len, fp8_amax_compute_algo="max")

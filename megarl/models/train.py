@@ -123,7 +123,45 @@ def train_step(ddp_chunks: list, optimizer, microbatches: list[dict[str, torch.T
         forward_only=False,
     )
     updated, grad_norm, _ = optimizer.step()
-    return {"metrics": results, "updated": updated, "grad_norm": grad_norm}
+    return {"metrics": results, "updated": updated, "grad_norm": grad_norm,
+            "moe": moe_aux_losses(ddp_chunks[0].config, len(microbatches))}
+
+
+# megatron-core's names in its aux-loss tracker, by load-balancing type
+_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                   "global_aux_loss": "global_load_balancing_loss"}
+
+
+def moe_aux_losses(config, microbatches: int) -> dict[str, float]:
+    """The MoE router's auxiliary losses of the step just run, unweighted (before their
+    coefficients), mean over layers and micro-batches, averaged over data-parallel ranks; the
+    tracker is then cleared. Empty for a dense model or a router with no auxiliary loss.
+
+    Collective over the pipeline and data-parallel groups on every rank of the model (each rank's
+    config names the same losses). A loss a rank has not recorded (a pipeline stage without MoE
+    layers) enters as zeros, so the reduction has the same shape everywhere."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    names = [_AUX_LOSS_NAMES[t] for t in [config.moe_router_load_balancing_type] if t in _AUX_LOSS_NAMES
+             and config.moe_aux_loss_coeff]
+    if config.moe_z_loss_coeff:
+        names.append("z_loss")
+    if not names:
+        return {}
+    tracker = get_moe_layer_wise_logging_tracker()
+    device = next(iter(tracker.values()))["values"].device if tracker else torch.device("cpu")
+    for name in names:
+        tracker.setdefault(name, {"values": torch.zeros(config.num_layers, device=device)})
+    reduce_aux_losses_tracker_across_ranks(names)
+    out = {name: float(tracker[name]["values"].sum()) / (config.num_layers * microbatches) for name in names}
+    clear_aux_losses_tracker()
+    return out
 
 
 def logits_forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

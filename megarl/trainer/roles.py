@@ -34,7 +34,7 @@ class MegatronRole:
         """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
         self._run(megatron_model.load, key=self.name, source=self.source, parallel=self.cfg.parallel,
                   dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes,
-                  recompute=asdict(self.cfg.recompute), new_value_head=self.new_value_head)
+                  recompute=asdict(self.cfg.recompute), new_value_head=self.new_value_head, moe=self.cfg.moe)
 
     def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Any:
         return rl_fns.gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(),

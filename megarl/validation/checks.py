@@ -5,7 +5,17 @@ from __future__ import annotations
 import math
 
 from megarl.config.loader import ConfigError
-from megarl.config.schema import DTYPES, FP8_FORMATS, FP8_RECIPES, PrecisionConfig, RoleConfig, RunConfig
+from megarl.config.schema import (
+    DTYPES,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    MOE_LOAD_BALANCING,
+    MOE_TOKEN_DROP_POLICIES,
+    MoeConfig,
+    PrecisionConfig,
+    RoleConfig,
+    RunConfig,
+)
 from megarl.data.prompts import instruction_problem
 from megarl.models.hf_arch import ArchError, ModelArch
 from megarl.models.layout import parallel_errors
@@ -125,7 +135,36 @@ def role_model_errors(name: str, role: RoleConfig, platform: Platform) -> tuple[
         errors.append(f"{name}.parallel.sequence_parallel must be true to train a mixture-of-experts model at "
                       f"tp={role.parallel.tp}")
     errors += precision_errors(role.precision, f"{name}.precision", platform)
+    errors += moe_errors(role.moe, arch, f"{name}.moe")
     return arch, errors
+
+
+def moe_errors(moe: MoeConfig, arch: ModelArch, where: str) -> list[str]:
+    """A role's MoE routing settings: only for a MoE model, each value in range, and a
+    load-balancing loss with its weight (megatron-core would train a named loss at weight 0)."""
+    if moe.is_default:
+        return []
+    if not arch.is_moe:
+        return [f"{where} is set but the model is dense (no experts to route to)"]
+    errors = []
+    if moe.load_balancing not in MOE_LOAD_BALANCING:
+        errors.append(f"{where}.load_balancing={moe.load_balancing!r} must be one of {', '.join(MOE_LOAD_BALANCING)}")
+    elif (moe.load_balancing == "none") != (moe.aux_loss_coeff == 0):
+        errors.append(f"{where}.load_balancing={moe.load_balancing!r} and {where}.aux_loss_coeff="
+                      f"{moe.aux_loss_coeff} go together: a load-balancing loss needs a weight > 0, "
+                      "and a weight needs a loss")
+    if moe.aux_loss_coeff < 0:
+        errors.append(f"{where}.aux_loss_coeff must be >= 0")
+    if moe.z_loss_coeff is not None and moe.z_loss_coeff <= 0:
+        errors.append(f"{where}.z_loss_coeff must be > 0 (or null for none)")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        errors.append(f"{where}.capacity_factor must be > 0 (or null: no token dropping)")
+    if moe.token_drop_policy not in MOE_TOKEN_DROP_POLICIES:
+        errors.append(f"{where}.token_drop_policy={moe.token_drop_policy!r} must be one of "
+                      f"{', '.join(MOE_TOKEN_DROP_POLICIES)}")
+    if moe.pad_to_capacity and moe.capacity_factor is None:
+        errors.append(f"{where}.pad_to_capacity needs {where}.capacity_factor")
+    return errors
 
 
 def refuse(errors: list[str]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megarl.config.schema import ParallelConfig, PrecisionConfig, RecomputeConfig
+from megarl.config.schema import MoeConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megarl.distributed.parallel import RankInfo, megatron_parallel
 from megarl.models.gpt import ModelSpec, build_model_chunks
 from megarl.workers.state import state
@@ -43,9 +43,10 @@ def held(key: str) -> HeldModel:
 
 def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32", value_head: bool = False,
          seed: int = 1234, timeout_minutes: int = 30, recompute: dict | RecomputeConfig | None = None,
-         new_value_head: bool = False) -> dict:
+         new_value_head: bool = False, moe: dict | MoeConfig | None = None) -> dict:
     """Builds the model at ``parallel`` and fills it from an HF folder or a megarl checkpoint;
-    ``recompute`` is the role's activation recompute (a RecomputeConfig or its asdict);
+    ``recompute`` is the role's activation recompute (a RecomputeConfig or its asdict), ``moe``
+    a MoE model's routing in training (a MoeConfig or its asdict);
     ``new_value_head`` lets a value head that an HF language model lacks start from its init."""
     from megarl.convert.checkpoint import is_megarl_checkpoint, load_model
     from megarl.convert.hf_io import HFReader
@@ -58,12 +59,14 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
         unload(key)
     if isinstance(recompute, dict):
         recompute = RecomputeConfig(**recompute)
+    if isinstance(moe, dict):
+        moe = MoeConfig(**moe)
     path = str(resolve_model_path(source))
     context = megatron_parallel(parallel, seed=seed, timeout_minutes=timeout_minutes)
     info = context.__enter__()
     try:
         if is_megarl_checkpoint(path):
-            spec = replace(spec_from_checkpoint(path, parallel, dtype), recompute=recompute)
+            spec = replace(spec_from_checkpoint(path, parallel, dtype), recompute=recompute, moe=moe)
             fresh_head = value_head and not spec.value_head
             if fresh_head and not new_value_head:
                 raise ValueError(f"{source} is a language model's checkpoint (no value head): it cannot score as a "
@@ -73,7 +76,7 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
             load_model(chunks, path, keep_output_layer=fresh_head)
         else:
             spec = ModelSpec(arch_from_hf_dir(path), parallel, PrecisionConfig(dtype=dtype), value_head=value_head,
-                             recompute=recompute)
+                             recompute=recompute, moe=moe)
             chunks = build_model_chunks(spec)
             reader = HFReader(path)
             load_hf_weights(chunks, reader, spec, info, new_value_head=new_value_head)

@@ -353,6 +353,9 @@ def _update(key: str, batch: RankBatch | dict[str, Any], optim: dict, micro_batc
                                 lambda chunk, mb: rows_forward(chunk, mb["inputs"]))
             model.extra["optimizer_steps"] += 1
             step = {"grad_norm": float(result["grad_norm"] or 0.0), "lr": lr, "skipped": float(not result["updated"])}
+            for name, value in result["moe"].items():  # equal on every rank after the tracker's reduction
+                step[f"moe/{name}"] = value
+                reduce[f"moe/{name}"] = "same"
             if result["metrics"]:
                 tensors = [{k.removeprefix(PER_TOKEN): r.pop(k) for k in list(r) if k.startswith(PER_TOKEN)}
                            for r in result["metrics"]]
