@@ -139,6 +139,11 @@ PLAN = ("--model", "llama3.1-8b", "--gpus", "8")
 CASES = [
     # ---------------------------------------------------------------- ranges nobody checks
     Case("steps-zero", "range", "trainer.steps=0 must be >= 1", args=("trainer.steps=0",)),
+    Case("rollout-weights-unknown", "range", "rollout.weights='int4' must be model or fp8",
+         args=("rollout.weights=int4",)),
+    Case("fp8-block-without-fp8", "range", "rollout.fp8_block=128 needs rollout.weights=fp8",
+         args=("rollout.fp8_block=128",)),
+    Case("fp8-with-logprob-check", "late", "set trainer.verify_sync=never", args=("rollout.weights=fp8",)),
     Case("steps-negative", "range", "trainer.steps=-3 must be >= 1", args=("trainer.steps=-3",)),
     Case("max-tokens-zero", "range", "rollout.max_tokens=0 must be >= 1", args=("rollout.max_tokens=0",)),
     Case("max-tokens-negative", "range", "rollout.max_tokens=-5", args=("rollout.max_tokens=-5",)),

@@ -3,14 +3,15 @@
 The Slurm tests bring up slurmctld + slurmd on this machine (launch/ci/slurm_localhost.sh,
 which apt-installs slurm-wlm and munge when missing; it needs root), submit the tiny CPU
 GRPO recipe through launch/submit.sh, and check what Slurm and the run recorded. Ray runs
-inside the job (head on the node, joined by the driver through RAY_ADDRESS). Runtime on
-a loaded 2-core machine: ~2.5 min for the run, ~40 s for the cancel, ~1 s for the rest.
-The container path (pyxis / Apptainer) is checked only as a command line (--dry-run).
+inside the job (head on the node, joined by the driver through RAY_ADDRESS). A whole run to
+completion is checked on two nodes (tests/test_launch_two_nodes.py asserts all the one-node
+run did, and more), so here the job is cancelled once it trains (~40 s on a loaded 2-core
+machine; ~1 s for the rest). The container path (pyxis / Apptainer) is checked only as a
+command line (--dry-run).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -163,23 +164,6 @@ def _job_processes(job_id: int) -> set[int]:
 
 def _alive(pids: set[int]) -> set[int]:
     return {p for p in pids if Path(f"/proc/{p}").exists()}
-
-
-def test_sbatch_runs_grpo_and_stops_ray(slurm, tiny_policy, tmp_path):
-    out = tmp_path / "run"
-    job_id = _submit(slurm, tiny_policy, out)
-    job = _wait_done(slurm, job_id, timeout=420)
-    log = (out / "logs" / f"slurm-{job_id}.log")
-    text = log.read_text() if log.exists() else (tmp_path / f"slurm-{job_id}.out").read_text()
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", text[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all("reward/mean" in r for r in rows)
-    # the job's own log in the run directory: Ray joined, the driver ran, Ray was stopped
-    assert "wait_for_ray: 1 node(s), 16 CPUs, 0 GPUs joined" in text
-    assert "megarl train exited with 0" in text
-    assert "Ray stopped" in text
-    assert not _job_processes(job_id), "processes of the finished job are left"
 
 
 def test_scancel_stops_the_driver_and_ray(slurm, tiny_policy, tmp_path):

@@ -174,6 +174,11 @@ class RolloutConfig:
     top_k: int = -1
     max_tokens: int = 128  # response length
     n: int = 4  # samples per prompt (the GRPO group size)
+    # The weights vLLM generates with: "model" (as synced, in the rollout dtype) or "fp8": every
+    # linear layer's weight rounded to FP8 E4M3 on arrival (scale amax / 448 over the rank's tensor,
+    # or per fp8_block x fp8_block tile), kept dequantized (megarl.rollout.fp8).
+    weights: str = "model"  # model | fp8
+    fp8_block: int | None = None  # None: one scale per tensor
 
 
 @dataclass

@@ -23,6 +23,7 @@ import time
 import torch
 
 from megarl.platform import current_platform
+from megarl.rollout.fp8 import fake_quant_fp8
 
 if current_platform().prepacks_vllm_weights:
     # Imported by vLLM's worker processes before they load the model: keep vLLM's own
@@ -32,6 +33,12 @@ if current_platform().prepacks_vllm_weights:
 
     prepacked_weights_keep_loaders()
     seeded_sampling_on_cpu()
+
+
+def _is_linear(module: torch.nn.Module | None) -> bool:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return isinstance(module, LinearBase)
 
 
 def _repacks(module: torch.nn.Module) -> bool:
@@ -170,7 +177,7 @@ class WeightSyncExtension:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def megarl_receive(self, plan_id: str, with_checksums: bool = False) -> str:
+    def megarl_receive(self, plan_id: str, with_checksums: bool = False, fp8: dict | None = None) -> str:
         from megarl.reshard.checksum import tensor_checksum
         from megarl.reshard.transport import run_fragment
         from megarl.utils.memory import current_rss, peak_rss, release_free_memory, reset_peak_rss
@@ -207,6 +214,10 @@ class WeightSyncExtension:
                 for name in mine:
                     owners.setdefault(name, []).append(module)
         checksums: dict[str, float] = {}
+        # rollout.weights=fp8: the weights of the linear layers (as vLLM's online FP8 quantizes),
+        # not embeddings, norms, the LM head or fused experts
+        fp8_names = {name for name in shapes if blocks[name][1] is None and name.endswith(".weight")
+                     and _is_linear(modules.get(name.rsplit(".", 1)[0]))} if fp8 is not None else set()
         started = time.perf_counter()
 
         def prepare(names: list[str]) -> None:
@@ -236,8 +247,11 @@ class WeightSyncExtension:
             return param.data
 
         def finalize(name: str) -> None:
-            if with_checksums:
+            if with_checksums:  # of the bytes as sent: FP8 rounding below is the receiver's own
                 checksums[name] = tensor_checksum(lookup(name) if blocks[name][1] is not None else params[name].data)
+            if fp8 is not None and name in fp8_names:
+                param = params[name]
+                param.data.copy_(fake_quant_fp8(param.data, fp8["block"]))
             for module in owners.get(name, []):
                 pending = waiting[id(module)]
                 pending.discard(name)

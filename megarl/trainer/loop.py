@@ -72,6 +72,7 @@ def train(cfg: RunConfig) -> list[dict]:
             log.log(run.step, metrics)
             if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
                 run.save()
+        run.release_inference()  # the engines and scoring roles are done: their memory is free to save in
         run.save()
         plots = log.close()
         print(f"done: {cfg.trainer.steps} steps; metrics in {log.path}; plots: {', '.join(map(str, plots))}")

@@ -99,6 +99,7 @@ class Run:
         # vLLM reads an HF folder's weights itself; a megarl checkpoint's (an SFT stage's) it gets
         # from the first weight sync, before anything is generated (resume)
         self.engines_start_blank = not any(actor_hf.glob("*.safetensors"))
+        self.engines_start_blank |= cfg.rollout.weights == "fp8"  # FP8 rounding happens in the sync
         self.engines = self._start_engines(actor_hf, slots["rollout"])
         tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
         self.rollout = RolloutManager(cfg, self.engines, tokenizer, prompt_dataset(cfg.data), reward)
@@ -149,6 +150,7 @@ class Run:
                              max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib, seed=self.cfg.seed,
                              gpu_memory_utilization=r.gpu_memory_utilization,
                              load_format="dummy" if self.engines_start_blank else "auto",
+                             fp8_weights=r.weights == "fp8", fp8_block=r.fp8_block,
                              placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
                              cpu_threads=self._cpu_threads(slot))
                 for i in range(r.engines)]
@@ -252,6 +254,28 @@ class Run:
         state = {"data": self.rollout.state_dict(), "queue": self.queue.state_dict()}
         with self.colocation.roles_on_device():
             return self.checkpoints.save(self.step, self.trained_roles(), state, write_more=self.queue.save)
+
+    def release_inference(self) -> None:
+        """Stops the engines and the roles that only score (reference, reward model) once training is
+        over, so the final checkpoint saves with their memory free: megatron-core's distributed save
+        holds another copy of each trained rank's state while it writes (on the 24 GiB machine, the
+        MoE demo's final save pushed Ray's memory monitor into killing the reference)."""
+        import ray
+
+        self.queue.drain()  # nothing may still be generating into the checkpoint's queue
+        if self.watchdog is not None:
+            self.watchdog.forget_engines()  # a stopped group is skipped by the watchdog already
+        if self.sync is not None:
+            with contextlib.suppress(Exception):
+                self.sync.close()
+            self.sync = None
+        for name in [n for n in self.roles if n not in self.trained_roles()]:
+            self.colocation.sharing.pop(name, None)
+            self.roles.pop(name).shutdown()
+        for engine in self.engines:
+            with contextlib.suppress(Exception):
+                ray.kill(engine)
+        self.engines.clear()  # the rollout manager and evaluator hold this same list
 
     def generation_seconds(self) -> float:
         """Seconds the engines spent generating (summed over engines) since the last call."""

@@ -139,6 +139,21 @@ def role_model_errors(name: str, role: RoleConfig, platform: Platform) -> tuple[
     return arch, errors
 
 
+def fp8_rollout_errors(cfg: RunConfig) -> list[str]:
+    """``rollout.weights`` and its block size; FP8 weights cannot pass the sync's log-prob check."""
+    r = cfg.rollout
+    if r.weights not in ("model", "fp8"):
+        return [f"rollout.weights={r.weights!r} must be model or fp8"]
+    errors = []
+    if r.fp8_block is not None and (r.weights != "fp8" or r.fp8_block < 1):
+        errors.append(f"rollout.fp8_block={r.fp8_block} needs rollout.weights=fp8 and must be >= 1")
+    if r.weights == "fp8" and cfg.trainer.verify_sync != "never":
+        errors.append(f"rollout.weights=fp8 rounds vLLM's weights, so its log-probs cannot match the actor's "
+                      f"(trainer.verify_sync={cfg.trainer.verify_sync!r}): set trainer.verify_sync=never; the "
+                      "mismatch is logged every step (mismatch/*) for algorithm.off_policy_correction to correct")
+    return errors
+
+
 def moe_errors(moe: MoeConfig, arch: ModelArch, where: str) -> list[str]:
     """A role's MoE routing settings: only for a MoE model, each value in range, and a
     load-balancing loss with its weight (megatron-core would train a named loss at weight 0)."""
@@ -246,6 +261,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         errors.append(f"data.source: {data.source} does not exist")
     if cfg.trainer.verify_sync not in ("first", "every", "never"):
         errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
+    errors += fp8_rollout_errors(cfg)
     if cfg.trainer.resume not in ("auto", "never"):
         errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
     if cfg.trainer.critic_warmup > 0 and cfg.critic is None:

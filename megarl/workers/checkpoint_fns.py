@@ -8,6 +8,7 @@ megarl checkpoint (``megarl.json``), so ``megarl convert mcore-to-hf`` exports i
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -24,7 +25,21 @@ from megarl.convert.checkpoint import (
 from megarl.platform.safe_checkpoint import load_weights_only
 from megarl.workers.megatron_model import held
 
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Reshardable to any layout on resume. "mem_efficient": the state is gathered on data-parallel
+# rank 0 only, not on every rank (megatron-core's default all-gathers all of it everywhere: at
+# dp=2 on the MoE demo, +10.8 GiB of host memory for the save instead of +6.4).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+class _OptimizerStateOnDpRankZero(logging.Filter):
+    """Drops megatron-core's warning that a rank's common state dict lacks rank 0's optimizer
+    ``param_state``: in the mem_efficient format only data-parallel rank 0 holds it, by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("common state dict differs" in text and "Keys only on rank 0: []" in text
+                    and text.rstrip().endswith("'param_state')], Mismatched keys: []"))
 
 
 def _state(model, is_loading: bool) -> dict:
@@ -59,8 +74,14 @@ def save(key: str, out_dir: str, source: str) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     model = held(key)
-    with forked_write_results_queue():
-        dist_checkpointing.save(_state(model, is_loading=False), out_dir)
+    validation_log = logging.getLogger("megatron.core.dist_checkpointing.validation")
+    quiet = _OptimizerStateOnDpRankZero()
+    validation_log.addFilter(quiet)
+    try:
+        with forked_write_results_queue():
+            dist_checkpointing.save(_state(model, is_loading=False), out_dir)
+    finally:
+        validation_log.removeFilter(quiet)
     extras = _extras_path(out_dir)
     extras.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"cpu_rng": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),

@@ -57,6 +57,10 @@ class Watchdog:
     def watch_engine(self, index: int, engine: Any) -> None:
         self._watched.append(_Watched(f"rollout engine {index}", engine, engine=True))
 
+    def forget_engines(self) -> None:
+        """Stops watching the rollout engines (before they are stopped on purpose)."""
+        self._watched = [w for w in self._watched if not w.engine]
+
     # -- checking -----------------------------------------------------------------------------
 
     def check(self, answer_timeout_s: float | None = None) -> str | None:

@@ -1,0 +1,104 @@
+"""FP8 rollout weights (``rollout.weights: fp8``): the rounding against values worked out by hand,
+and a weight sync into a running vLLM that rounds exactly the linear weights, as vLLM's online FP8
+quantization scales them (one scale per tensor a rank holds: fused qkv and gate/up share one).
+
+Oracle for the sync: transformers with the same rounding applied to its own weights by hand,
+grouped as vLLM fuses them; vLLM's prompt log-probs after the sync must be that model's, and not
+the unrounded model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_hf, random_tokens
+
+from megarl.config.schema import ParallelConfig
+from megarl.rollout.fp8 import fake_quant_fp8
+from megarl.workers import megatron_model
+
+
+def test_per_tensor_scale_is_amax_over_448_and_rounds_to_e4m3():
+    w = torch.tensor([[1.0, -2.0], [0.5, 0.3]])
+    out = fake_quant_fp8(w)
+    scale = 2.0 / 448  # amax 2 maps to E4M3's largest value
+    # 1, -2 and 0.5 scale to 224, -448, 112: representable, back exactly; 0.3 scales to 67.2,
+    # between E4M3's neighbours 64 and 72 (step 8 in [64, 128)): rounds to 64
+    assert out[0, 0] == 1.0 and out[0, 1] == -2.0 and out[1, 0] == 0.5
+    assert out[1, 1].item() == pytest.approx(64 * scale, rel=1e-6)
+
+
+def test_block_scales_are_per_tile_and_edge_tiles_are_partial():
+    w = torch.tensor([[1.0, 100.0, 0.0], [3.0, -0.03, 0.0], [0.0, 0.0, 0.0]])
+    # a 1 x 1 tile is its own amax: every value maps to +-448 and comes back exactly
+    assert torch.equal(fake_quant_fp8(w, block=1), w)
+    out = fake_quant_fp8(w, block=2)
+    assert out.shape == w.shape and out.dtype == w.dtype
+    # tile (0,0) = [[1, 100], [3, -0.03]]: scale 100 / 448; 1 -> 4.48 rounds to 4.5 (step 0.5 in [4, 8))
+    scale = 100.0 / 448
+    assert out[0, 0].item() == pytest.approx(4.5 * scale, rel=1e-6)
+    assert out[0, 1].item() == pytest.approx(100.0, rel=1e-6)
+    # the zero tiles stay zero (no 0 / 0)
+    assert torch.equal(out[:, 2], torch.zeros(3)) and torch.equal(out[2], torch.zeros(3))
+    with pytest.raises(ValueError, match="2-D"):
+        fake_quant_fp8(torch.ones(4))
+
+
+def _rounded_like_vllm(hf_dir, block):
+    """The HF model with each linear weight rounded as vLLM holds it at TP 1: q/k/v as one fused
+    tensor, gate/up as one, o and down alone; embeddings, norms and the LM head untouched."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for group in ([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                          [layer.mlp.gate_proj, layer.mlp.up_proj], [layer.self_attn.o_proj], [layer.mlp.down_proj]):
+                fused = fake_quant_fp8(torch.cat([m.weight for m in group]), block)
+                for m, part in zip(group, fused.split([m.weight.shape[0] for m in group]), strict=True):
+                    m.weight.copy_(part)
+    return model
+
+
+def _logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(tokens, attention_mask=torch.ones_like(tokens)).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize("block", [None])  # the per-tile path: the block test above
+def test_sync_rounds_the_linear_weights_as_vllm_fp8_would(block, tmp_path_factory):
+    import ray
+
+    from megarl.cluster.ray_env import ensure_ray
+    from megarl.rollout.remote import start_engine, wait_ready
+    from megarl.workers import WorkerGroup
+    from megarl.workers.weight_sync import WeightSync
+
+    ensure_ray()
+    # vocab 256, unpadded in vLLM: a dummy-loaded engine's padding rows keep random values that no
+    # sync writes, and the checksums of the embedding and LM head would count them
+    model = build_tiny_hf("llama", tmp_path_factory.mktemp("fp8") / "llama", hidden_size=128, intermediate_size=256,
+                          vocab_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    tokens = random_tokens(batch=2, seq=24, vocab=256)
+    engine = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=8, load_format="dummy",
+                          fp8_weights=True, fp8_block=block)
+    try:
+        wait_ready([engine])
+        with WorkerGroup("actor-fp8", 1) as actor:
+            actor.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig())
+            sync = WeightSync(actor, "actor", [engine], bucket_bytes=1 << 16)
+            try:
+                sync.setup()
+                report = sync.sync(check=True)  # checksums are of the bytes as sent: they still agree
+                assert report.bytes_ratio == 1.0 and not report.checksum_mismatches
+            finally:
+                sync.close()
+        got = torch.tensor(ray.get(engine.prompt_logprobs.remote(tokens.tolist())))
+    finally:
+        ray.kill(engine)
+    import transformers
+
+    rounded = _logprobs(_rounded_like_vllm(model, block), tokens)
+    exact = _logprobs(transformers.AutoModelForCausalLM.from_pretrained(model).float().eval(), tokens)
+    assert (got - rounded).abs().max() <= 1e-3, (got - rounded).abs().max()
+    assert (got - exact).abs().max() > 1e-2  # the rounding is there, and large enough to tell apart
