@@ -164,6 +164,42 @@ class Pools:
             pool.close()
 
 
+@pytest.fixture(scope="session")
+def ray_session():
+    from megarl.cluster.ray_env import ensure_ray
+
+    ensure_ray()
+
+
+class RankGroups:
+    """Ray worker groups (a role's ranks) shared by a module's tests, restarted if a failing test
+    tore one down; the ranks can import the tests' own modules (rank_jobs)."""
+
+    def __init__(self) -> None:
+        self.groups = {}
+
+    def get(self, role: str, size: int):
+        from megarl.workers import WorkerGroup
+
+        group = self.groups.get(role)
+        if group is None or not group.alive:
+            group = self.groups[role] = WorkerGroup(role, size, pythonpath=[str(Path(__file__).parent)])
+        return group
+
+
+@pytest.fixture(scope="module")
+def groups(ray_session):
+    g = RankGroups()
+    yield g
+    for group in g.groups.values():
+        group.shutdown()
+
+
+@pytest.fixture
+def actor4(groups):
+    return groups.get("actor", 4)
+
+
 @pytest.fixture(scope="module")
 def pools():
     # Per test module: rank processes hold models; a session of them would not fit in memory.

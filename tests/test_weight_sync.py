@@ -8,8 +8,6 @@ stale and only the sync can make the two agree.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from conftest import build_tiny_hf, random_tokens
 
@@ -20,13 +18,6 @@ from megarl.workers.weight_sync import StalePlanError, WeightSync, WeightSyncMis
 
 TOL = 1e-3
 BUCKET = 256 * 1024  # small enough that every model spans several buckets
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    from megarl.cluster.ray_env import ensure_ray
-
-    ensure_ray()
 
 
 @pytest.fixture(scope="session")
@@ -62,34 +53,6 @@ def engines(ray_session, rollout_models, smollm2):
             ray.kill(engine)
         except Exception:  # already gone
             pass
-
-
-class _Groups:
-    """Actor groups shared by the tests, restarted if a failing test tore one down."""
-
-    def __init__(self):
-        self.groups = {}
-
-    def get(self, role, size):
-        from megarl.workers import WorkerGroup
-
-        group = self.groups.get(role)
-        if group is None or not group.alive:
-            group = self.groups[role] = WorkerGroup(role, size, pythonpath=[str(Path(__file__).parent)])
-        return group
-
-
-@pytest.fixture(scope="module")
-def groups(ray_session):
-    g = _Groups()
-    yield g
-    for group in g.groups.values():
-        group.shutdown()
-
-
-@pytest.fixture
-def actor4(groups):
-    return groups.get("actor", 4)
 
 
 def _sync_and_verify(actor, engine, tokens, checksums=True):

@@ -13,30 +13,11 @@ from pathlib import Path
 
 import pytest
 from conftest import build_tiny_hf, random_tokens
-from test_weight_sync import TOL, _Groups, _sync_and_verify
+from test_weight_sync import TOL, _sync_and_verify
 
 from megarl.config.schema import ParallelConfig
 from megarl.workers import megatron_model
 
-
-@pytest.fixture(scope="session")
-def ray_session():
-    from megarl.cluster.ray_env import ensure_ray
-
-    ensure_ray()
-
-
-@pytest.fixture(scope="module")
-def groups(ray_session):
-    g = _Groups()
-    yield g
-    for group in g.groups.values():
-        group.shutdown()
-
-
-@pytest.fixture
-def actor4(groups):
-    return groups.get("actor", 4)
 
 @pytest.fixture(scope="module")
 def moe(ray_session, tmp_path_factory):

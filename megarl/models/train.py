@@ -148,8 +148,9 @@ def moe_aux_losses(config, microbatches: int) -> dict[str, float]:
 
     if not getattr(config, "num_moe_experts", None):
         return {}
-    names = [_AUX_LOSS_NAMES[t] for t in [config.moe_router_load_balancing_type] if t in _AUX_LOSS_NAMES
-             and config.moe_aux_loss_coeff]
+    names = []
+    if config.moe_aux_loss_coeff and config.moe_router_load_balancing_type in _AUX_LOSS_NAMES:
+        names.append(_AUX_LOSS_NAMES[config.moe_router_load_balancing_type])
     if config.moe_z_loss_coeff:
         names.append("z_loss")
     if not names:

@@ -61,7 +61,7 @@ class VLLMEngine:
         self.tp = tp
         self.platform = platform
         # rollout.weights=fp8: each weight sync rounds the linear weights to FP8 as they land
-        self.fp8 = {"block": fp8_block} if fp8_weights else None
+        self.fp8_weights, self.fp8_block = fp8_weights, fp8_block
         self.llm = LLM(
             model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
@@ -220,7 +220,8 @@ class VLLMEngine:
 
     def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
         stats = [json.loads(s) for s in self.llm.collective_rpc("megarl_receive",
-                                                                 args=(plan_id, with_checksums, self.fp8))]
+                                                                 args=(plan_id, with_checksums, self.fp8_weights,
+                                                                       self.fp8_block))]
         # Prefix-cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         return stats

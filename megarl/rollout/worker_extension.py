@@ -177,7 +177,8 @@ class WeightSyncExtension:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def megarl_receive(self, plan_id: str, with_checksums: bool = False, fp8: dict | None = None) -> str:
+    def megarl_receive(self, plan_id: str, with_checksums: bool = False, fp8: bool = False,
+                       fp8_block: int | None = None) -> str:
         from megarl.reshard.checksum import tensor_checksum
         from megarl.reshard.transport import run_fragment
         from megarl.utils.memory import current_rss, peak_rss, release_free_memory, reset_peak_rss
@@ -217,7 +218,7 @@ class WeightSyncExtension:
         # rollout.weights=fp8: the weights of the linear layers (as vLLM's online FP8 quantizes),
         # not embeddings, norms, the LM head or fused experts
         fp8_names = {name for name in shapes if blocks[name][1] is None and name.endswith(".weight")
-                     and _is_linear(modules.get(name.rsplit(".", 1)[0]))} if fp8 is not None else set()
+                     and _is_linear(modules.get(name.rsplit(".", 1)[0]))} if fp8 else set()
         started = time.perf_counter()
 
         def prepare(names: list[str]) -> None:
@@ -249,9 +250,9 @@ class WeightSyncExtension:
         def finalize(name: str) -> None:
             if with_checksums:  # of the bytes as sent: FP8 rounding below is the receiver's own
                 checksums[name] = tensor_checksum(lookup(name) if blocks[name][1] is not None else params[name].data)
-            if fp8 is not None and name in fp8_names:
+            if name in fp8_names:
                 param = params[name]
-                param.data.copy_(fake_quant_fp8(param.data, fp8["block"]))
+                param.data.copy_(fake_quant_fp8(param.data, fp8_block))
             for module in owners.get(name, []):
                 pending = waiting[id(module)]
                 pending.discard(name)
