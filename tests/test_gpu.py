@@ -42,11 +42,14 @@ def _one(results):
 
 
 def test_platform_picks_nccl_and_no_cpu_shims():
-    from megarl.platform import current_platform, init_megatron_runtime
+    """No CUDA shim on a GPU; without Transformer Engine, exactly the shims for its absence (the
+    MoE router's ``te_general_gemm`` NameError, torch Adam's checkpoint state, the local norm)."""
+    from megarl.platform import cpu_shims, current_platform, init_megatron_runtime
 
     platform = current_platform()
     assert platform.backend == "nccl"
-    assert init_megatron_runtime() == [], "CPU shims must not be applied on GPU"
+    without_te = sorted(name for name, shim in cpu_shims.SHIMS.items() if shim.without_te)
+    assert init_megatron_runtime() == ([] if platform.has_transformer_engine else without_te)
 
 
 @needs_te
@@ -73,6 +76,18 @@ def test_cuda_logits_match_transformers(dtype, tol, pools, te_model):
     logits = out["logits"].float().cpu()
     assert (logits - expected).abs().max().item() <= tol, out["layer_spec"]
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_cuda_moe_logits_match_transformers(pools, tmp_path):
+    """A routed-expert model (tiny Qwen3-MoE: QK-norm, top-k routing, the experts megatron-core runs
+    on one GPU) on CUDA equals transformers' logits in FP32."""
+    hf_dir = build_tiny_hf("qwen3_moe", tmp_path / "qwen3_moe", hidden_size=128, vocab_size=512)
+    tokens = random_tokens(batch=2, seq=64, vocab=512)
+    expected = hf_logits(hf_dir, tokens)
+    out = _one(pools.get(1).run(rank_jobs.gpu_logits, hf_dir=str(hf_dir), parallel=ParallelConfig(),
+                                tokens=tokens, dtype="float32"))
+    assert any(".experts." in name for name in out["param_names"]), "no expert layers were built"
+    assert (out["logits"].float().cpu() - expected).abs().max().item() <= 2e-3
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
@@ -120,6 +135,49 @@ def test_cuda_packing_matches_the_padded_path(pools, tiny_models, tiny_reward_mo
     for name, diff in out.items():
         if name != "train/params_moved":
             assert diff <= 1e-4, (name, diff, out)
+
+
+# -- FP8 rollout weights (rollout.weights: fp8) -----------------------------------------------
+
+
+def test_fp8_rollout_rounding_is_the_operand_of_a_real_fp8_gemm(capsys):
+    """The rounding the weight sync applies on CPU (``megarl.rollout.fp8``) is exactly the weight a
+    real FP8 GEMM on this GPU multiplies with (``torch._scaled_mm``, E4M3 with the same per-tensor
+    scale): with activations E4M3 holds exactly, the GEMM's output equals the CPU's matmul with the
+    rounded weight. With activations quantized per tensor too (vLLM's W8A8 path on Hopper), the
+    extra error is measured and printed: what the CPU model of FP8 rollout leaves out."""
+    from megarl.rollout.fp8 import E4M3_MAX, fake_quant_fp8
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 512, generator=g) * 0.05  # [out, in], as a linear layer holds it
+    rounded = fake_quant_fp8(weight)  # on CPU, as the sync does there
+    scale = weight.abs().amax() / E4M3_MAX
+    w8 = (weight.cuda() / scale.cuda()).to(torch.float8_e4m3fn)
+    assert torch.equal(w8.float().cpu() * scale, rounded), "GPU and CPU round the weight differently"
+
+    one = torch.ones((), device="cuda")
+    exact_x = torch.randint(-16, 17, (64, 512), generator=g).float() / 4  # multiples of 1/4 up to 4
+    x8 = exact_x.cuda().to(torch.float8_e4m3fn)
+    assert torch.equal(x8.float().cpu(), exact_x)
+    out = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=scale.cuda().float(), out_dtype=torch.float32)
+    expected = exact_x.double() @ rounded.double().t()
+    weight_only = ((out.double().cpu() - expected).abs().max() / expected.abs().max()).item()
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (measured on an H200: 1.6e-4)
+    assert weight_only <= 1e-3, weight_only
+
+    x = torch.randn(64, 512, generator=g)  # activations as a layer sees them
+    x_scale = x.abs().amax() / E4M3_MAX
+    xq = (x.cuda() / x_scale.cuda()).to(torch.float8_e4m3fn)
+    w8a8 = torch._scaled_mm(xq, w8.t(), scale_a=x_scale.cuda().float(), scale_b=scale.cuda().float(),
+                            out_dtype=torch.float32).double().cpu()
+    full = x.double() @ weight.double().t()
+    fake = x.double() @ rounded.double().t()
+    err_fake = ((fake - full).norm() / full.norm()).item()
+    err_w8a8 = ((w8a8 - full).norm() / full.norm()).item()
+    with capsys.disabled():
+        print(f"\nFP8 GEMM, relative error vs the fp32 weights: weights rounded (the CPU model) {err_fake:.4f}, "
+              f"weights and activations (W8A8 on {torch.cuda.get_device_name()}) {err_w8a8:.4f}")
+    assert err_fake < err_w8a8 < 4 * err_fake + 0.05
 
 
 # -- Transformer Engine ------------------------------------------------------------------

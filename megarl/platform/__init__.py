@@ -166,11 +166,12 @@ def current_platform() -> Platform:
 
 def init_megatron_runtime() -> list[str]:
     """Prepares this process to build megatron-core models; returns the shims applied."""
-    if current_platform().is_gpu:
+    platform = current_platform()
+    if platform.is_gpu and platform.has_transformer_engine:
         return []
     from megarl.platform import cpu_shims
 
-    return cpu_shims.apply_all()
+    return cpu_shims.apply_all(only_without_te=platform.is_gpu)
 
 
 def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False):

@@ -3,7 +3,8 @@
 megatron-core assumes CUDA in a handful of places. Each shim below names the
 failure it fixes (the call site in megatron-core and the error raised there) and
 is reversible, so tests can show the failure with the shim off. They are applied
-only when CUDA is absent (see ``megarl.platform.init_megatron_runtime``).
+when CUDA is absent; the few whose failure comes from Transformer Engine's absence
+(``without_te``) also on a GPU without it (see ``megarl.platform.init_megatron_runtime``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class Shim:
     name: str
     fixes: str  # the failure without it: call site and error
     apply: Callable[[], Callable[[], None]]  # returns the function that undoes it
+    # The failure is Transformer Engine's (or Apex's) absence, not CUDA's: a GPU without TE needs it too.
+    without_te: bool = False
 
 
 _ACTIVE: dict[str, Callable[[], None]] = {}
@@ -395,6 +398,7 @@ SHIMS: dict[str, Shim] = {
             "transformer/torch_norm.py WrappedTorchNorm: 'AssertionError: sequence parallel "
             "not supported by torch LayerNorm' with the local spec and sequence_parallel=True",
             _apply_torch_norm_sequence_parallel,
+            without_te=True,
         ),
         Shim(
             "adam_step_state",
@@ -402,6 +406,7 @@ SHIMS: dict[str, Shim] = {
             "\"KeyError: 'step'\" loading a fully_reshardable distributed-optimizer "
             "checkpoint with torch Adam (no Apex/TE, i.e. every CPU run)",
             _apply_adam_step_state,
+            without_te=True,
         ),
         Shim(
             "cuda_streams",
@@ -414,6 +419,7 @@ SHIMS: dict[str, Shim] = {
             "transformer/moe/moe_utils.py RouterGatingLinearFunction.forward: "
             "\"NameError: name 'te_general_gemm' is not defined\" without Transformer Engine",
             _apply_moe_te_names,
+            without_te=True,
         ),
         Shim(
             "moe_split_sizes",
@@ -425,9 +431,12 @@ SHIMS: dict[str, Shim] = {
 }
 
 
-def apply_all() -> list[str]:
-    """Applies every shim not yet active; returns the names active afterwards."""
+def apply_all(only_without_te: bool = False) -> list[str]:
+    """Applies every shim not yet active (``only_without_te``: those a GPU without Transformer
+    Engine needs); returns the names active afterwards."""
     for name, shim in SHIMS.items():
+        if only_without_te and not shim.without_te:
+            continue
         if name not in _ACTIVE and name not in _SUPPRESSED:
             _ACTIVE[name] = shim.apply()
     return sorted(_ACTIVE)
