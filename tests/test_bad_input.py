@@ -205,6 +205,12 @@ CASES = [
          args=("trainer.critic_warmup=2",)),
     Case("staleness-colocated", "late", "trainer.max_staleness=1 needs rollout on its own resources",
          args=("trainer.max_staleness=1", "rollout.colocate_with=actor")),
+    Case("schedule-unknown", "late", "trainer.schedule='eager' must be exact or opportunistic",
+         args=("trainer.schedule=eager",)),
+    Case("opportunistic-in-lockstep", "late", "trainer.schedule=opportunistic needs trainer.max_staleness >= 1",
+         args=("trainer.schedule=opportunistic",)),
+    Case("partial-unknown", "late", "rollout.partial='resume' must be continue or regenerate",
+         args=("rollout.partial=resume",)),
     # multi-turn episodes (env): every problem named by its field before any engine starts
     Case("env-unknown-kind", "range", "env.kind='game' must be one of single_turn, tools, remote",
          args=("env={kind: game}",)),

@@ -93,3 +93,55 @@ def test_sample_logprobs_are_the_tempered_policys_as_the_trainer_scores_it(engin
     assert (tempered - batch.rollout_logprobs)[response].abs().max() < 1e-4
     # the check can fail: scored without the temperature, the same tokens are far off
     assert (untempered - batch.rollout_logprobs)[response].abs().max() > 0.05
+
+
+# -- interruptible segments (rollout.partial) ---------------------------------------------------
+
+
+def test_segments_sample_as_generate_does(engine):
+    """Sample j of a prompt, asked as its own segment with seed s + j, is generate's sample j of
+    n with seed s (vLLM seeds its n children so): the partial path samples what the whole one does."""
+    from megarl.rollout.sampling import SegmentRequest
+
+    prompt = [1, 2, 3, 4, 5]
+    whole = engine.generate([prompt], SamplingConfig(temperature=1.0, max_tokens=12, n=3, seed=5))[0]
+    parts = engine.generate_segments([SegmentRequest(prompt, 12, 5 + j) for j in range(3)],
+                                     SamplingConfig(temperature=1.0), epoch=0)
+    assert [s.response_ids for s in parts] == [s.response_ids for s in whole]
+    assert [s.finish_reason for s in parts] == [s.finish_reason for s in whole]
+    for a, b in zip(parts, whole, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
+def test_an_interrupted_segment_stops_early_and_continues_where_it_stopped(engine):
+    """``interrupt`` stops a long generation at its next step: the tokens so far come back as
+    "interrupted" with their log-probs; continued from prompt + those tokens, the whole response's
+    log-probs are the engine's scoring of the whole sequence (same weights, T = 1). An interrupt of
+    an earlier epoch leaves later calls alone."""
+    import time
+
+    import ray
+
+    from megarl.rollout.sampling import SegmentRequest
+
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4], [5, 6]]
+    budget = 240
+    call = engine.handle.generate_segments.remote([SegmentRequest(p, budget, 11 + i) for i, p in enumerate(prompts)],
+                                                  SamplingConfig(temperature=1.0), 3)
+    time.sleep(1.0)
+    engine.interrupt(3)
+    partial = ray.get(call, timeout=120)
+    # (a sample may have drawn the model's eos before the interrupt: those finished, as "stop")
+    assert [s.finish_reason for s in partial].count("interrupted") >= 2, [s.finish_reason for s in partial]
+    stopped = [(p, s) for p, s in zip(prompts, partial, strict=True) if s.finish_reason == "interrupted"]
+    assert all(0 < len(s.response_ids) < budget for _, s in stopped), [len(s.response_ids) for _, s in stopped]
+    assert all(len(s.logprobs) == len(s.response_ids) for s in partial)
+    rest = engine.generate_segments([SegmentRequest(p + s.response_ids, budget - len(s.response_ids), 99)
+                                     for p, s in stopped],
+                                    SamplingConfig(temperature=1.0), epoch=4)  # epoch 3's interrupt: not this call
+    for (prompt, head), tail in zip(stopped, rest, strict=True):
+        assert tail.finish_reason != "interrupted"
+        response = head.response_ids + tail.response_ids
+        assert len(response) == budget or tail.finish_reason == "stop"
+        scored = engine.prompt_logprobs([prompt + response])[0][len(prompt) - 1:]
+        assert torch.allclose(torch.tensor(head.logprobs + tail.logprobs), torch.tensor(scored), atol=1e-4)

@@ -168,3 +168,35 @@ def test_a_buffer_of_episodes_round_trips_exactly(manager, tmp_path):
     assert got.episodes == episodes
     assert got.batch.mask.equal(queue.batches[3].batch.mask)
     assert manager.score(got)[0].tolist() == pytest.approx([1.2, 0.0, 0.2, 0.0])
+
+
+def test_interrupted_batches_and_token_versions_round_trip_exactly(manager, tmp_path):
+    """Opportunistic schedule: an interrupted batch (samples as far as they got, their per-token
+    versions, seeds, segment counts; one never started) and a finished batch whose samples span
+    versions read back exactly; the interrupted one continues each sample from where it stopped
+    (prompt + its tokens, the rest of max_tokens, the next segment's seed)."""
+    from megarl.trainer.partial_rollouts import PartialRollout, Slot
+
+    queue = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
+    slots = [Slot([1, 2, 3], 40, [7, 8], [-0.1234567890123, -2.5e-9], [2, 3], 2, None),
+             Slot([1, 2, 3], 41, [9], [-1.0000000000001], [3], 1, "stop"),
+             Slot([4, 5], 40, [], [], [], 1, None),
+             Slot([4, 5], 41, [6, 6, 6], [-3.0, -0.5, -1e-300], [2, 2, 3], 2, "length")]
+    queue.batches[5] = PartialRollout(5, [5, 15], 2, slots)
+    finished = manager.assemble(4, 2, [4, 14], [[RolloutSample([1], [2, 3], [-0.5, -0.25], "stop")] * 2] * 2)
+    finished.token_versions = [[2, 3], [2, 2], [3, 3], [2, 3]]
+    queue.batches[4] = finished
+    queue.next_index = 6
+    queue.save(tmp_path)
+
+    restored = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
+    restored.load(tmp_path, queue.state_dict())
+    got = restored.batches[5]
+    assert isinstance(got, PartialRollout) and not got.finished and not got.in_flight
+    assert (got.index, got.prompt_ids, got.group_size) == (5, [5, 15], 2)
+    assert got.slots == slots
+    assert restored.batches[4].token_versions == finished.token_versions
+    assert restored.batches[4].version == 2
+    requests = [slot.request(max_tokens=6) for slot in got.slots if slot.finish_reason is None]
+    assert [(r.prompt_ids, r.max_tokens, r.seed) for r in requests] == [([1, 2, 3, 7, 8], 4, 40 + 2 * 7919),
+                                                                          ([4, 5], 6, 40 + 7919)]

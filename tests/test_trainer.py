@@ -160,6 +160,9 @@ def straight(policy, reward_url, straight_run_dir) -> list[dict]:
 
 
 ONE_AHEAD = ["trainer.max_staleness=1"]
+# ... and interrupted by each weight sync (partial rollouts); longer answers than the other runs',
+# so generation ahead is still going when a sync comes
+OPPORTUNISTIC = [*ONE_AHEAD, "trainer.schedule=opportunistic", "rollout.max_tokens=96"]
 
 
 def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, reward_url, straight, tmp_path):
@@ -218,6 +221,38 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     assert (run_dir / "checkpoints" / "step_000004" / "actor" / "megarl.json").is_file()
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["eval_accuracy.png", "kl.png",
                                                                      "response_length.png", "reward.png"]
+
+
+def test_opportunistic_schedule_resumes_every_prompt_once(policy, reward_url, tmp_path):
+    """trainer.schedule=opportunistic at k=1: each weight sync interrupts the batch generating
+    ahead instead of waiting for it, and its samples continue under the new weights (each token
+    keeping its version). Killed (-9 of the actor's rank) once step 2's checkpoint exists, the run
+    ends within 60 s; resumed, it trains on each prompt of the first four batches once, in order,
+    every batch within the bound."""
+    from megarl.data.prompts import prompt_dataset
+    from megarl.trainer.loop import train
+
+    run_dir = tmp_path / "opportunistic"
+    overrides = OPPORTUNISTIC
+    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *overrides]) as proc:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "latest").is_file():
+            assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within 400 s"
+            time.sleep(0.5)
+        actor_pid = json.loads((run_dir / "workers.json").read_text())["actor"][0]
+        output, took = _ended_by(proc, lambda: os.kill(actor_pid, signal.SIGKILL))
+    assert proc.returncode == 1 and took < 60, (took, output[-3000:])
+    cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *overrides])
+    train(cfg)
+    history = _read_metrics(run_dir)
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    dataset = prompt_dataset(cfg.data)
+    expected = [dataset.next_ids() for _ in range(4)]
+    assert [h["data/prompt_ids"] for h in history] == expected  # none skipped, none twice, in order
+    assert all(0 <= h["rollout/staleness"] <= 1 for h in history)
+    assert all(0 <= h["rollout/token_staleness_mean"] <= 1 for h in history[1:])
+    print("spanning fractions:", [h.get("rollout/spanning_fraction") for h in history])
 
 
 def test_colocated_run_repeats_the_disaggregated_run(policy, reward_url, straight, tmp_path):
@@ -386,14 +421,15 @@ def _wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str
 
 # (the process to kill: a vLLM process of engine 0 or the driver itself; the step and phase to kill
 # it in; the phases the failure may name; how many steps the same command then resumes to, compared
-# with the straight run; extra overrides). Rollout one version ahead (max_staleness=1), the engine
-# generates batch 4 while step 3 trains, or has finished it and waits: either way the tiny model's
-# update may be over before the watchdog's next look, and the run notices in a phase after.
+# with the straight run; extra overrides). Rollout one version ahead and interrupted at each sync
+# (opportunistic), the engine generates batch 4 while step 3 trains, or has finished it and waits:
+# either way the tiny model's update may be over before the watchdog's next look, and the run
+# notices in a phase after.
 DEATHS = {
     "core-during-generate": ("VLLM::EngineCore", 3, "rollout", ("rollout",), 4, []),
     "worker-during-weight-sync": ("VLLM::Worker", 3, "weight_sync", ("weight_sync",), 0, []),
     "core-while-training-ahead": ("VLLM::EngineCore", 3, "actor_update",
-                                  ("actor_update", "rollout_wait", "weight_sync"), 0, ONE_AHEAD),
+                                  ("actor_update", "rollout_wait", "weight_sync"), 0, OPPORTUNISTIC),
     "sigterm-of-the-driver": ("driver", 3, "rollout", (), 3, []),
 }
 

@@ -99,7 +99,11 @@ def run_async_cmd(args: argparse.Namespace) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="megarl-bench-async-"))
     overrides = [*DEFAULT_OVERRIDES, *args.overrides]
     # every config is checked before the first run starts
-    cfgs = {k: bench_config(args.recipe, [*overrides, f"trainer.max_staleness={k}"], args.steps, out / f"k{k}")
+    def schedule(k: int) -> list[str]:  # lockstep (k = 0) has one schedule
+        return [f"trainer.schedule={args.schedule}"] if k > 0 else []
+
+    cfgs = {k: bench_config(args.recipe, [*overrides, f"trainer.max_staleness={k}", *schedule(k)], args.steps,
+                            out / f"k{k}")
             for k in args.staleness}
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     settings = {}
@@ -126,6 +130,9 @@ def add_parser(bs: argparse._SubParsersAction) -> None:
                    help=f"dotted overrides of the recipe (applied after {' '.join(DEFAULT_OVERRIDES)})")
     p.add_argument("--staleness", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2],
                    help="the values of trainer.max_staleness to run, comma-separated (default 0,1,2)")
+    p.add_argument("--schedule", choices=("exact", "opportunistic"), default="exact",
+                   help="trainer.schedule of the settings with k >= 1 (default exact; opportunistic: the "
+                        "weight sync interrupts generation ahead, samples continue under the new weights)")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per setting (default 12)")
     p.add_argument("--out", type=Path, default=None, help="run directories go here (default: a temporary one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 
 
 class RolloutEngine(Protocol):
@@ -36,6 +36,15 @@ class RolloutEngine(Protocol):
         """``sampling.n`` samples per prompt: response ids, per-token log-probs after the
         sampling transforms (temperature first), finish reason. Refuses when
         ``sampling.weight_version`` is set and is not the engine's."""
+
+    def generate_segments(self, requests: list[SegmentRequest], sampling: SamplingConfig,
+                          epoch: int) -> list[RolloutSample]:
+        """One sample per request, continued from its prompt, stopped early (finish reason
+        "interrupted", the tokens so far returned) once ``interrupt`` reaches ``epoch``."""
+
+    def interrupt(self, epoch: int) -> None:
+        """Stops the ``generate_segments`` calls of ``epoch`` or earlier at their next step;
+        answers while generation blocks."""
 
     def generate_episodes(self, requests: list[Any], sampling: SamplingConfig, env: Any, rewards: list[Any],
                           limits: Any) -> list[Any]:

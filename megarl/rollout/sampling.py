@@ -25,7 +25,18 @@ class RolloutSample:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # one per response token (log p under the rollout engine)
-    finish_reason: str  # "stop" (a stop token) or "length" (max_tokens)
+    finish_reason: str  # "stop" (a stop token), "length" (max_tokens), "interrupted" (a weight sync came)
     # Multi-turn episodes: 1 where the response token is the policy's (trained), 0 where an
     # environment inserted it (context only). None: every response token is the policy's.
     response_mask: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class SegmentRequest:
+    """One sample's generation from where it stands (``rollout.partial``): the prompt, followed by
+    the tokens earlier weights generated for it when it continues; one sample, ``max_tokens`` at
+    most, sampled with ``seed``. The engine stops it early, as "interrupted", when told to."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int | None = None

@@ -17,7 +17,7 @@ from typing import Any
 from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, Trajectory
-from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils import process_watch
 from megarl.utils.cores import usable_cores
 
@@ -84,6 +84,9 @@ class VLLMEngine:
         self._hf_tokenizer = None  # multi-turn episodes decode turns and render observations
         self._episode_setups: dict[str, tuple] = {}
         self._loop_thread = None  # the environments' event loop (megarl.rollout.episodes)
+        # Interruptible generation: calls of epoch <= this stop at their next decoding step
+        self._interrupted_through = -1
+        self._segment_ids = 0
 
     def set_weight_version(self, version: int) -> None:
         """Records which policy version the weights just received are (a generation request
@@ -137,6 +140,64 @@ class VLLMEngine:
             results.append(samples)
         self._generate_seconds += time.perf_counter() - started
         return results
+
+    @_watch_method
+    def interrupt(self, epoch: int) -> None:
+        """Stops ``generate_segments`` calls of ``epoch`` or earlier at their next decoding step (they
+        return what they have); later calls are unaffected. Answers while generation blocks."""
+        self._interrupted_through = max(self._interrupted_through, epoch)
+
+    def generate_segments(self, requests: list[SegmentRequest], sampling: SamplingConfig,
+                          epoch: int) -> list[RolloutSample]:
+        """One sample per request, continuing from its prompt (``rollout.partial``), until it stops,
+        reaches its ``max_tokens``, or ``interrupt`` reaches this call's ``epoch``: then the tokens
+        generated so far come back with finish reason "interrupted" (their log-probs are final: each
+        was sampled from the weights of this call). ``sampling``'s temperature, top-p/k and stop
+        tokens apply; its n, max_tokens and seed are the requests'. Driven step by step here, so an
+        interruption costs one decoding step, not the rest of the longest sequence."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_version(sampling)
+        started = time.perf_counter()
+        engine = self.llm.llm_engine
+        order: list[str] = []
+        for request in requests:
+            if request.max_tokens <= 0:
+                raise ValueError(f"a segment needs max_tokens >= 1, got {request.max_tokens}")
+            params = SamplingParams(
+                n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=request.max_tokens, stop_token_ids=list(sampling.stop_token_ids), seed=request.seed,
+                logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+            self._segment_ids += 1
+            order.append(f"megarl-segment-{self._segment_ids}")
+            engine.add_request(order[-1], TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+        tokens: dict[str, list[int]] = {rid: [] for rid in order}
+        logprobs: dict[str, list[float]] = {rid: [] for rid in order}
+        reasons: dict[str, str] = {}
+        try:
+            while len(reasons) < len(order):
+                if self._interrupted_through >= epoch:
+                    left = [rid for rid in order if rid not in reasons]
+                    engine.abort_request(left)
+                    reasons |= dict.fromkeys(left, "interrupted")
+                    break
+                for output in engine.step():
+                    completion = output.outputs[0]
+                    new = list(completion.token_ids)
+                    tokens[output.request_id] += new
+                    logprobs[output.request_id] += [step[t].logprob for step, t in
+                                                    zip(completion.logprobs, new, strict=True)]
+                    if output.finished:
+                        reasons[output.request_id] = "stop" if completion.finish_reason == "stop" else "length"
+        except BaseException:
+            engine.abort_request([rid for rid in order if rid not in reasons])
+            raise
+        finally:
+            self._generate_seconds += time.perf_counter() - started
+        return [RolloutSample(list(request.prompt_ids), tokens[rid], logprobs[rid], reasons[rid])
+                for request, rid in zip(requests, order, strict=True)]
 
     def generate_episodes(self, requests: list[EpisodeRequest], sampling: SamplingConfig, env: EnvConfig,
                           rewards: list[RewardTermConfig], limits: EpisodeLimits) -> list[Trajectory]:

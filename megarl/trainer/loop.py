@@ -2,7 +2,8 @@
 
 Colocated, the device changes hands at the ``device.*`` steps (``megarl.trainer.colocation``);
 disaggregated, those steps do nothing. With ``trainer.max_staleness: k > 0`` the queue has
-the engines generate the next k batches while this one trains (``megarl.trainer.rollout_queue``).
+the engines generate the next k batches while this one trains (``megarl.trainer.rollout_queue``);
+``trainer.schedule: opportunistic`` has the weight sync interrupt them rather than wait.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def train(cfg: RunConfig) -> list[dict]:
             if critic:
                 with run.phase("critic_update"):
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]
-            with run.phase("rollout_wait"):  # the engines finish what they generate ahead
+            with run.phase("rollout_wait"):  # the engines finish what they generate ahead (or stop it)
                 queue.drain()
             with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off
                 verified = run.sync_weights(batch)

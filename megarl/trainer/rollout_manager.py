@@ -24,7 +24,9 @@ from megarl.rewards.base import RewardInput
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.trainer import partial_rollouts
 from megarl.trainer.batch import RolloutBatch, build_batch, turn_reward_tensor
+from megarl.trainer.partial_rollouts import PartialRollout
 from megarl.trainer.rewards import RunReward
 from megarl.utils.abort import wait_all
 
@@ -46,6 +48,9 @@ class Rollout:
     # Multi-turn runs (``env``): each sample's episode, in sample order; its environment rewards
     # are the samples' scores. None: single-turn, scored by the reward terms.
     episodes: list[Trajectory] | None = None
+    # Partial rollouts (trainer.schedule: opportunistic): each sample's per-token weight versions
+    # (``version`` is the oldest of them). None: every token is ``version``'s.
+    token_versions: list[list[int]] | None = None
 
 
 @dataclass
@@ -83,6 +88,36 @@ class RolloutManager:
                                        overlong="truncate_left").ids
             calls = submit_generation(self.engines, prompts, sampling)
         return PendingRollout(index, version, ids, calls)
+
+    def submit_partial(self, index: int, version: int, epoch: int) -> PartialRollout:
+        """Like ``submit``, as interruptible segments (``trainer.schedule: opportunistic``)."""
+        ids = self.dataset.next_ids()
+        prompts = tokenize_prompts(self.tokenizer, [self.dataset.items[i] for i in ids], self.cfg.data.max_prompt_len,
+                                   overlong="truncate_left").ids
+        sampling = self._sampling(index, version)
+        batch = partial_rollouts.new_batch(index, ids, prompts, sampling.n, sampling.seed)
+        partial_rollouts.submit(batch, self.engines, sampling, version, epoch)
+        return batch
+
+    def continue_partial(self, batch: PartialRollout, version: int, epoch: int) -> None:
+        """Submits a batch's unfinished samples again, after a weight sync: from where they stopped
+        (``rollout.partial: continue``) or from scratch (``regenerate``)."""
+        partial_rollouts.submit(batch, self.engines, self._sampling(batch.index, version), version, epoch,
+                                regenerate=self.cfg.rollout.partial == "regenerate")
+
+    def collect_partial(self, batch: PartialRollout) -> None:
+        partial_rollouts.collect(batch, self.cfg.trainer.step_timeout_s)
+
+    def interrupt(self, epoch: int) -> None:
+        partial_rollouts.interrupt(self.engines, epoch, self.cfg.trainer.collective_timeout_s)
+
+    def assemble_partial(self, batch: PartialRollout) -> Rollout:
+        """A finished partial batch as a ``Rollout``; its version is its oldest token's."""
+        groups, versions = partial_rollouts.samples(batch)
+        oldest = min(v for vs in versions for v in vs)
+        rollout = self.assemble(batch.index, oldest, batch.prompt_ids, groups)
+        rollout.token_versions = versions
+        return rollout
 
     def collect(self, pending: PendingRollout) -> Rollout:
         """Waits for a submitted batch (``trainer.step_timeout_s``) and assembles it."""

@@ -104,7 +104,8 @@ class Run:
         tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
         self.rollout = RolloutManager(cfg, self.engines, tokenizer, prompt_dataset(cfg.data), reward)
         self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
-        self.queue = RolloutQueue(self.rollout, cfg.trainer.max_staleness, last_step=cfg.trainer.steps)
+        self.queue = RolloutQueue(self.rollout, cfg.trainer.max_staleness, last_step=cfg.trainer.steps,
+                                  schedule=cfg.trainer.schedule)
         for name, role_cfg in cfg.roles().items():
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
         self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
@@ -213,12 +214,14 @@ class Run:
     def sync_weights(self, batch: RolloutBatch | None = None) -> dict[str, float]:
         """The actor's weights (version ``self.step``) into vLLM, colocated or not; with ``batch``,
         vLLM's log-probs of a few of its sequences checked against the actor's
-        (``trainer.verify_sync``). Generation still in flight is waited for first."""
+        (``trainer.verify_sync``). Generation still in flight is waited for first (or interrupted,
+        and continued under the new weights: trainer.schedule=opportunistic)."""
         self.queue.drain()
         self.colocation.to_sync()
         self.sync.sync()
         wait_all([e.set_weight_version.remote(self.step) for e in self.engines], self.cfg.trainer.collective_timeout_s,
                  "recording the engines' weight version")
+        self.queue.resume(self.step)
         self.colocation.after_sync()
         verified = self.verify_sync(batch) if batch is not None else {}
         self.colocation.actor_off()
@@ -250,10 +253,13 @@ class Run:
         return {n: r for n, r in self.roles.items() if n in ("actor", "critic")}
 
     def save(self) -> Path:
-        self.queue.drain()  # the batches generated ahead go into the checkpoint, finished
+        self.queue.drain()  # the batches generated ahead go into the checkpoint, finished or interrupted
         state = {"data": self.rollout.state_dict(), "queue": self.queue.state_dict()}
         with self.colocation.roles_on_device():
-            return self.checkpoints.save(self.step, self.trained_roles(), state, write_more=self.queue.save)
+            saved = self.checkpoints.save(self.step, self.trained_roles(), state, write_more=self.queue.save)
+        if self.engines:
+            self.queue.resume(self.step)  # the interrupted ones go on
+        return saved
 
     def release_inference(self) -> None:
         """Stops the engines and the roles that only score (reference, reward model) once training is

@@ -66,6 +66,11 @@ def rollout_metrics(rollout: Rollout, step: int) -> dict:
     dataset ids, so a resumed run can be checked against the straight one)."""
     out = {"rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version,
            "data/prompt_ids": list(rollout.prompt_ids)}
+    if rollout.token_versions is not None:  # partial rollouts: a sample's tokens may span versions
+        tokens = [v for vs in rollout.token_versions for v in vs]
+        out["rollout/token_staleness_mean"] = sum(step - 1 - v for v in tokens) / max(1, len(tokens))
+        out["rollout/spanning_fraction"] = (sum(len(set(vs)) > 1 for vs in rollout.token_versions)
+                                            / max(1, len(rollout.token_versions)))
     if rollout.episodes is not None:
         out |= episode_metrics(rollout.episodes)
     return out

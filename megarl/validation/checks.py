@@ -274,7 +274,24 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         errors.append(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout on its own resources, but "
                       f"rollout.colocate_with={cfg.rollout.colocate_with!r}; colocated runs are synchronous "
                       "(max_staleness: 0)")
-    return errors + placement_errors(cfg)
+    return errors + schedule_errors(cfg) + placement_errors(cfg)
+
+
+def schedule_errors(cfg: RunConfig) -> list[str]:
+    """trainer.schedule / rollout.partial: opportunistic rollout needs something to overlap and
+    single-turn samples (an episode's turns are not interruptible yet)."""
+    tr, errors = cfg.trainer, []
+    if tr.schedule not in ("exact", "opportunistic"):
+        errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
+    if cfg.rollout.partial not in ("continue", "regenerate"):
+        errors.append(f"rollout.partial={cfg.rollout.partial!r} must be continue or regenerate")
+    if tr.schedule == "opportunistic" and tr.max_staleness < 1:
+        errors.append("trainer.schedule=opportunistic needs trainer.max_staleness >= 1 (at 0 nothing generates "
+                      "while the actor trains, so there is nothing to interrupt)")
+    if tr.schedule == "opportunistic" and cfg.env is not None:
+        errors.append("trainer.schedule=opportunistic interrupts single-turn generation only; multi-turn "
+                      "episodes (env) run with trainer.schedule=exact")
+    return errors
 
 
 # --------------------------------------------------------------------------- ranges and inputs

@@ -1,0 +1,123 @@
+"""Partial rollouts (``trainer.schedule: opportunistic``): a weight sync does not wait for generation.
+
+When the actor's new weights are ready, the engines are interrupted (one decoding step later each
+unfinished sample stops with the tokens it has), the weights land, and every unfinished sample
+continues from prompt + its tokens under the new version (``rollout.partial: continue``), or
+starts over (``regenerate``). Each response token keeps the version that sampled it, and its
+log-prob from those weights, so the off-policy corrections see exactly which tokens are stale.
+
+A batch is a list of ``Slot``s, one per sample (a group's n samples side by side); each
+generation call answers some slots. Sample j of a prompt samples its first segment with the
+batch's seed + j, as vLLM's n samples of one request do, and segment s with that + 7919 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
+from megarl.utils.abort import wait_all
+
+_SEGMENT_SEED_STRIDE = 7919
+
+
+@dataclass
+class Slot:
+    """One sample of a batch, as far as it got."""
+
+    prompt_ids: list[int]
+    seed: int | None  # of its first segment
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each response token
+    segments: int = 0  # generation calls it has had
+    finish_reason: str | None = None  # "stop" | "length"; None while unfinished
+
+    def request(self, max_tokens: int) -> SegmentRequest:
+        seed = None if self.seed is None else self.seed + _SEGMENT_SEED_STRIDE * self.segments
+        return SegmentRequest(self.prompt_ids + self.response_ids, max_tokens - len(self.response_ids), seed)
+
+    def add(self, segment: RolloutSample, version: int) -> None:
+        self.response_ids += segment.response_ids
+        self.logprobs += segment.logprobs
+        self.versions += [version] * len(segment.response_ids)
+        self.segments += 1
+        if segment.finish_reason != "interrupted":
+            self.finish_reason = segment.finish_reason
+
+    def restart(self) -> None:
+        """``rollout.partial: regenerate``: the tokens of older weights are dropped."""
+        self.response_ids, self.logprobs, self.versions = [], [], []
+
+    def sample(self) -> RolloutSample:
+        return RolloutSample(self.prompt_ids, self.response_ids, self.logprobs, self.finish_reason)
+
+
+@dataclass
+class PartialRollout:
+    """A batch whose samples may span weight versions; calls in flight or none."""
+
+    index: int
+    prompt_ids: list[int]  # the dataset's ids of its prompts
+    group_size: int
+    slots: list[Slot]
+    calls: list = field(default_factory=list)  # Ray object refs, one per engine asked
+    call_slots: list[list[int]] = field(default_factory=list)  # the slots each call answers
+    call_version: int = -1  # the version the calls in flight sample with
+
+    @property
+    def finished(self) -> bool:
+        return all(slot.finish_reason is not None for slot in self.slots)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.calls)
+
+
+def new_batch(index: int, prompt_ids: list[int], prompts: list[list[int]], n: int, seed: int | None
+              ) -> PartialRollout:
+    slots = [Slot(list(prompt), None if seed is None else seed + j) for prompt in prompts for j in range(n)]
+    return PartialRollout(index, list(prompt_ids), n, slots)
+
+
+def submit(batch: PartialRollout, engines: list, sampling: SamplingConfig, version: int, epoch: int,
+           regenerate: bool = False) -> None:
+    """Asks the engines to generate every unfinished slot (``regenerate``: from scratch) with
+    version ``version`` (the engines refuse another); each engine gets a contiguous share, so a
+    group's samples share its prompt's cache. Returns at once."""
+    assert not batch.in_flight, "a batch's calls must be collected before it is submitted again"
+    todo = [i for i, slot in enumerate(batch.slots) if slot.finish_reason is None]
+    if regenerate:
+        for i in todo:
+            batch.slots[i].restart()
+    share = -(-len(todo) // len(engines))
+    parts = [todo[k * share:(k + 1) * share] for k in range(len(engines))]
+    batch.calls, batch.call_slots, batch.call_version = [], [], version
+    for engine, part in zip(engines, parts, strict=True):
+        if part:
+            requests = [batch.slots[i].request(sampling.max_tokens) for i in part]
+            batch.calls.append(engine.generate_segments.remote(requests, sampling, epoch))
+            batch.call_slots.append(part)
+
+
+def collect(batch: PartialRollout, timeout_s: float) -> None:
+    """Waits for the batch's calls (``timeout_s``) and adds each segment to its slot."""
+    if not batch.in_flight:
+        return
+    answers = wait_all(batch.calls, timeout_s, "generation")
+    for part, segments in zip(batch.call_slots, answers, strict=True):
+        for i, segment in zip(part, segments, strict=True):
+            batch.slots[i].add(segment, batch.call_version)
+    batch.calls, batch.call_slots = [], []
+
+
+def interrupt(engines: list, epoch: int, timeout_s: float) -> None:
+    """Every engine stops its calls of ``epoch`` or earlier at the next decoding step."""
+    wait_all([e.interrupt.remote(epoch) for e in engines], timeout_s, "interrupting generation")
+
+
+def samples(batch: PartialRollout) -> tuple[list[list[RolloutSample]], list[list[int]]]:
+    """A finished batch's samples in groups, and each sample's per-token weight versions."""
+    flat = [slot.sample() for slot in batch.slots]
+    n = batch.group_size
+    return [flat[i:i + n] for i in range(0, len(flat), n)], [list(slot.versions) for slot in batch.slots]
