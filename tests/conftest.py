@@ -69,6 +69,11 @@ def tiny_config(family: str, **overrides):
         common.update(num_hidden_layers=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True)
         cls = transformers.Qwen3MoeConfig
+    elif family == "qwen2_moe":
+        # a shared expert wider than the routed ones, and the released models' unrenormalised top k
+        common.update(num_hidden_layers=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False)
+        cls = transformers.Qwen2MoeConfig
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -81,7 +86,7 @@ def build_tiny_hf(family: str, path: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     config = tiny_config(family, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    if family == "qwen2":  # transformers inits biases to zero; make them matter
+    if family in ("qwen2", "qwen2_moe"):  # transformers inits biases to zero; make them matter
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("proj.bias"):
@@ -121,7 +126,7 @@ def build_tiny_policy(path: Path, smollm2: Path) -> Path:
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {family: build_tiny_hf(family, root / family)
-            for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe")}
+            for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe")}
 
 
 @pytest.fixture(scope="session")

@@ -78,10 +78,11 @@ def test_cuda_logits_match_transformers(dtype, tol, pools, te_model):
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.95
 
 
-def test_cuda_moe_logits_match_transformers(pools, tmp_path):
-    """A routed-expert model (tiny Qwen3-MoE: QK-norm, top-k routing, the experts megatron-core runs
-    on one GPU) on CUDA equals transformers' logits in FP32."""
-    hf_dir = build_tiny_hf("qwen3_moe", tmp_path / "qwen3_moe", hidden_size=128, vocab_size=512)
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_cuda_moe_logits_match_transformers(family, pools, tmp_path):
+    """Routed-expert models (tiny Qwen3-MoE: QK-norm, top-k routing; Qwen2-MoE: a shared expert
+    behind a sigmoid gate) on CUDA equal transformers' logits in FP32."""
+    hf_dir = build_tiny_hf(family, tmp_path / family, hidden_size=128, vocab_size=512)
     tokens = random_tokens(batch=2, seq=64, vocab=512)
     expected = hf_logits(hf_dir, tokens)
     out = _one(pools.get(1).run(rank_jobs.gpu_logits, hf_dir=str(hf_dir), parallel=ParallelConfig(),

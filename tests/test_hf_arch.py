@@ -191,6 +191,26 @@ def test_qwen3_moe_experts_are_moe_intermediate_size_wide():
             arch_from_hf_config({**cfg, **bad})
 
 
+def test_qwen2_moe_shared_expert_and_its_gate():
+    """Qwen1.5-MoE-A2.7B's shape: 60 experts of 1408, top 4 unrenormalised, a 5632-wide shared expert;
+    its parameter count is the published 14.3B (2.7B active)."""
+    cfg = {**LLAMA, "model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
+           "num_key_value_heads": 16, "vocab_size": 151936, "intermediate_size": 5632, "num_experts": 60,
+           "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+           "norm_topk_prob": False, "sliding_window": 32768, "use_sliding_window": False}
+    arch = arch_from_hf_config(cfg)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.ffn_hidden_size, arch.qkv_bias) == \
+        ("qwen2_moe", 60, 4, 1408, True)
+    from megarl.models.arch import family_of
+
+    config = family_of("qwen2_moe").transformer_config_kwargs(arch)
+    assert config["moe_shared_expert_intermediate_size"] == 5632 and config["moe_shared_expert_gate"]
+    assert config["moe_router_pre_softmax"]
+    assert round(arch.num_parameters() / 1e9, 1) == 14.3
+    with pytest.raises(ArchError, match="without its shared expert"):
+        arch_from_hf_config({**cfg, "shared_expert_intermediate_size": 0})
+
+
 def test_mixtral_experts():
     cfg = {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
     arch = arch_from_hf_config(cfg)

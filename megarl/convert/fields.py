@@ -70,6 +70,9 @@ def check_hf_config(cfg: Any, source: str) -> None:
     for key in HF_REQUIRED_INTS:
         positive_int(cfg, key, source)
     for key in HF_OPTIONAL_INTS:
+        # Qwen configs write sliding_window 0 (or any number) when use_sliding_window is false: unused
+        if key == "sliding_window" and cfg.get("use_sliding_window") is False:
+            continue
         positive_int(cfg, key, source, optional=True)
     for key in HF_OPTIONAL_FLOATS:
         positive_number(cfg, key, source)
