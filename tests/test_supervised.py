@@ -175,6 +175,48 @@ def test_parquet_rows_are_records_and_a_bad_row_is_named(tmp_path, policy):
         load_examples(str(path), "dpo", tokenizer, max_len=128)
 
 
+def test_hugging_face_datasets_and_trl_conversational_pairs(tmp_path, smollm2):
+    """``hf:<saved folder>@split`` reads a datasets folder; TRL's conversational pairs (an answer
+    message after a prompt of messages; whole conversations sharing their start, as in
+    UltraFeedback-binarized) give exactly the examples of the plain text pair; bad rows and a
+    missing split are named."""
+    import datasets
+    import transformers
+
+    from megarl.data.supervised import DataError, load_examples
+    from megarl.validation.supervised_checks import _source_errors
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
+    user = {"role": "user", "content": "What is 2 + 3?"}
+    plain = {"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "6"}
+    explicit = {"prompt": [user], "chosen": [{"role": "assistant", "content": "5"}],
+                "rejected": [{"role": "assistant", "content": "6"}]}
+    implicit = {"prompt": "What is 2 + 3?", "chosen": [user, {"role": "assistant", "content": "5"}],
+                "rejected": [user, {"role": "assistant", "content": "6"}]}
+    folder = tmp_path / "pairs"
+    datasets.DatasetDict({"train_prefs": datasets.Dataset.from_list([implicit, implicit]),
+                          "test_prefs": datasets.Dataset.from_list([explicit])}).save_to_disk(str(folder))
+    want = load_examples(str(_write_jsonl(tmp_path / "plain.jsonl", [plain])), "dpo", tokenizer, max_len=128)[0]
+    for split, n in (("train_prefs", 2), ("test_prefs", 1)):
+        pairs = load_examples(f"hf:{folder}@{split}", "dpo", tokenizer, max_len=128)
+        assert len(pairs) == n
+        assert (pairs[0].chosen, pairs[0].rejected) == (want.chosen, want.rejected), split
+    with pytest.raises(DataError, match=r"has no split 'train' \(it has test_prefs, train_prefs\)"):
+        load_examples(f"hf:{folder}", "dpo", tokenizer, max_len=128)
+    other = {**implicit, "rejected": [{**user, "content": "What is 2 + 4?"}, {"role": "assistant", "content": "6"}]}
+    bad = tmp_path / "bad"
+    datasets.Dataset.from_list([implicit, other]).save_to_disk(str(bad))
+    with pytest.raises(DataError, match=r"bad@train row 1: 'chosen' and 'rejected' must be one assistant message"):
+        load_examples(f"hf:{bad}", "dpo", tokenizer, max_len=128)
+    sft = tmp_path / "sft"
+    datasets.Dataset.from_list([{"messages": [user, {"role": "assistant", "content": "5"}]}]).save_to_disk(str(sft))
+    (example,) = load_examples(f"hf:{sft}", "sft", tokenizer, max_len=128)
+    assert tokenizer.decode([t for t, c in zip(example.seq.tokens, example.seq.completion, strict=True) if c]) == \
+        "5<|im_end|>"
+    assert _source_errors("data.train", "hf:") == [
+        "data.train='hf:' names no dataset (hf:<hub id or saved folder>[@split])"]
+
+
 def test_a_conversation_ends_where_generation_ends(smollm2):
     """SmolLM2's template writes a newline after each ``<|im_end|>``; the engine stops at the eos
     (``<|im_end|>``) and never generates it. Training sequences end at the last eos, so a reward

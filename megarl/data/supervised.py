@@ -1,14 +1,18 @@
 """Datasets of the supervised stages: SFT conversations and preference pairs, tokenized with the
 model's chat template, with the completion (assistant) tokens marked for the loss.
 
-Records (JSON Lines, one per line, or Parquet rows; ``reasoning_gym:<task>`` generates them instead):
+Records (JSON Lines, one per line, Parquet rows, or a Hugging Face dataset's rows with
+``hf:<hub id or saved folder>[@split]``; ``reasoning_gym:<task>`` generates them instead):
 
 - SFT: ``{"messages": [{"role", "content"}, ...]}`` with at least one assistant message (every
   assistant message is trained on, multi-turn included), or ``{"prompt": text, "response": text}``
   (``completion`` is accepted for ``response``), with an optional ``system`` text;
 - pairs (reward model, DPO): ``{"prompt": text or "messages": [...], "chosen": text,
   "rejected": text}``, optional ``system`` and ``margin`` (a number: how much better the chosen
-  answer is, for the reward model's margin loss).
+  answer is, for the reward model's margin loss). TRL's conversational pairs are read too:
+  ``chosen`` / ``rejected`` as one assistant message after a ``prompt`` of messages, or as whole
+  conversations that differ only in their last (assistant) message, their shared start the
+  prompt (as in UltraFeedback-binarized).
 
 Assistant spans come from rendering the conversation's prefixes: the tokens of a prefix ending
 in an assistant message minus those of the same prefix ending at the assistant header. A chat
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 
+from megarl.data.errors import DataError
+from megarl.data.hf_datasets import hf_rows, is_hf_source
 from megarl.data.jsonl import jsonl_rows
 from megarl.data.prompts import ROLES
 
@@ -48,10 +54,6 @@ class PairExample:
     rejected: TokenSeq
     where: str
     margin: float | None = None
-
-
-class DataError(ValueError):
-    """A record the stage cannot use; the message names the file and line (or the record)."""
 
 
 def _messages(value: Any, where: str, field: str) -> list[dict[str, str]]:
@@ -137,13 +139,11 @@ def sft_example(record: Any, tokenizer: Any, where: str, max_len: int) -> SftExa
 def pair_example(record: Any, tokenizer: Any, where: str, max_len: int) -> PairExample:
     if not isinstance(record, dict):
         raise DataError(f"{where}: a record must be a JSON object")
-    if "messages" in record:
-        context = _messages(record["messages"], where, "messages")
-        if context[-1]["role"] != "user":
-            raise DataError(f"{where}: 'messages' must end with the user's message the answers reply to")
+    if isinstance(record.get("chosen"), list) or isinstance(record.get("rejected"), list):
+        context, chosen, rejected = _conversational_pair(record, where)
     else:
-        context = [*_system(record, where), {"role": "user", "content": _text(record, "prompt", where)}]
-    chosen, rejected = _text(record, "chosen", where), _text(record, "rejected", where)
+        context = _pair_context(record, where)
+        chosen, rejected = _text(record, "chosen", where), _text(record, "rejected", where)
     margin = record.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
                                or not math.isfinite(margin)):
@@ -151,6 +151,34 @@ def pair_example(record: Any, tokenizer: Any, where: str, max_len: int) -> PairE
     return PairExample(conversation(tokenizer, [*context, {"role": "assistant", "content": chosen}], where, max_len),
                        conversation(tokenizer, [*context, {"role": "assistant", "content": rejected}], where,
                                     max_len), where, None if margin is None else float(margin))
+
+
+def _pair_context(record: dict, where: str) -> list[dict[str, str]]:
+    """The conversation a pair's answers reply to: ``messages``, a ``prompt`` of messages, or a text prompt."""
+    for key in ("messages", "prompt"):
+        if isinstance(record.get(key), list) or (key == "messages" and key in record):
+            context = _messages(record[key], where, key)
+            if context[-1]["role"] != "user":
+                raise DataError(f"{where}: '{key}' must end with the user's message the answers reply to")
+            return context
+    return [*_system(record, where), {"role": "user", "content": _text(record, "prompt", where)}]
+
+
+def _conversational_pair(record: dict, where: str) -> tuple[list[dict[str, str]], str, str]:
+    """TRL's conversational pairs: each answer one assistant message after the prompt, or a whole
+    conversation whose last message is the answer (the shared start is then the prompt)."""
+    chosen, rejected = (_messages(record.get(k), where, k) for k in ("chosen", "rejected"))
+    for key, answer in (("chosen", chosen), ("rejected", rejected)):
+        if answer[-1]["role"] != "assistant":
+            raise DataError(f"{where}: '{key}' must end with the assistant's answer")
+    if len(chosen) == len(rejected) == 1:
+        return _pair_context(record, where), chosen[0]["content"], rejected[0]["content"]
+    if chosen[:-1] != rejected[:-1] or len(chosen) < 2:
+        raise DataError(f"{where}: 'chosen' and 'rejected' must be one assistant message each, or conversations "
+                        "that differ only in their last message")
+    if chosen[-2]["role"] != "user":
+        raise DataError(f"{where}: the answers must reply to a user's message")
+    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
 
 
 def generated_records(source: str, stage: str, size: int, seed: int, instruction: str,
@@ -182,9 +210,12 @@ def generated_records(source: str, stage: str, size: int, seed: int, instruction
 
 def load_examples(source: str, stage: str, tokenizer: Any, max_len: int, size: int = 0, seed: int = 0,
                   instruction: str = "", task_config: dict | None = None) -> list[SftExample] | list[PairExample]:
-    """Every record of ``source`` (a JSONL file or ``reasoning_gym:<task>``) as the stage's examples."""
+    """Every record of ``source`` (a JSONL or Parquet file, ``hf:<dataset>[@split]`` or
+    ``reasoning_gym:<task>``) as the stage's examples."""
     if source.startswith("reasoning_gym:"):
         records = generated_records(source, stage, size, seed, instruction, task_config or {})
+    elif is_hf_source(source):
+        records = hf_rows(source)
     elif source.lower().endswith((".parquet", ".pq")):
         records = parquet_rows(source)
     else:

@@ -25,10 +25,15 @@ def _ranges(cfg: SupervisedConfig) -> list[str]:
 def _source_errors(field: str, source: str) -> list[str]:
     from pathlib import Path
 
+    from megarl.data.hf_datasets import is_hf_source, source_errors
+
     if not source or source.startswith("reasoning_gym:"):
         return [] if source else [f"{field} is empty"]
+    if is_hf_source(source):
+        return source_errors(field, source)
     if not Path(source).is_file():
-        return [f"{field}={source!r} is not a file (a JSONL file or reasoning_gym:<task>)"]
+        return [f"{field}={source!r} is not a file (a JSONL or Parquet file, hf:<dataset>[@split] or "
+                "reasoning_gym:<task>)"]
     return []
 
 
