@@ -70,8 +70,9 @@ def tiny_config(family: str, **overrides):
                       moe_intermediate_size=32, norm_topk_prob=True)
         cls = transformers.Qwen3MoeConfig
     elif family == "qwen2_moe":
-        # a shared expert wider than the routed ones, and the released models' unrenormalised top k
-        common.update(num_hidden_layers=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        # a shared expert wider than the routed ones, and the released models' unrenormalised top k;
+        # head_dim is hidden / heads (vLLM's Qwen2-MoE reads no head_dim), 32 for vLLM's CPU attention
+        common.update(hidden_size=128, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False)
         cls = transformers.Qwen2MoeConfig
     else:

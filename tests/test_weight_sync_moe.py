@@ -58,7 +58,7 @@ def test_sync_of_a_shared_expert(actor4, ray_session, tmp_path_factory):
     engine = start_engine(str(model), tp=2, max_model_len=256, max_num_seqs=8)
     try:
         wait_ready([engine])
-        parallel = ParallelConfig(tp=2, ep=2, world_size=4)
+        parallel = ParallelConfig(tp=2, world_size=4, sequence_parallel=True)  # the shared expert tp-split
         actor4.run(megatron_model.load, key="actor", source=str(model), parallel=parallel)
         actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=5))
         report, verified = _sync_and_verify(actor4, engine, random_tokens(batch=2, seq=32))

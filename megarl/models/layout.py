@@ -26,6 +26,9 @@ def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[st
     if arch.ffn_hidden_size % par.tp:
         errors.append(f"{where}.tp={par.tp} does not divide intermediate_size={arch.ffn_hidden_size}")
     errors += _pipeline_errors(arch, par, where)
+    if par.cp > 1:  # refused, not run wrong: megatron-core expects each cp rank's share of every sequence
+        errors.append(f"{where}.cp={par.cp}: context parallelism is not implemented yet (megarl does not split "
+                      "sequences over context-parallel ranks, and the CPU platform's attention refuses it); use cp=1")
     if par.sequence_parallel and par.tp == 1:
         errors.append(f"{where}.sequence_parallel=true needs tp > 1")
     if par.ep > 1 and not arch.is_moe:
