@@ -9,6 +9,8 @@ rewards are real), with vLLM's smallest CPU-friendly shape (head_dim 32).
   rank and phase, and the resumed run's metrics equal the straight run's bit for bit (fp32
   on CPU), the prompts trained on included. The fail-fast cases below resume in lockstep
   (max_staleness=0) and repeat the lockstep straight run.
+- Opportunistic rollout (k=1, each weight sync interrupting generation ahead): kill -9 of vLLM's
+  engine core while a step trains ends the run naming it; resumed, every prompt is trained once.
 - The same run colocated (actor, reference and vLLM on shared bundles, offloading
   and sleeping in turn) repeats the disaggregated one bit for bit.
 - PPO with critic, reward model and reference, each its own placement group, the
@@ -223,27 +225,36 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
                                                                      "response_length.png", "reward.png"]
 
 
-def test_opportunistic_schedule_resumes_every_prompt_once(policy, reward_url, tmp_path):
+def test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once(policy, reward_url, tmp_path):
     """trainer.schedule=opportunistic at k=1: each weight sync interrupts the batch generating
     ahead instead of waiting for it, and its samples continue under the new weights (each token
-    keeping its version). Killed (-9 of the actor's rank) once step 2's checkpoint exists, the run
-    ends within 60 s; resumed, it trains on each prompt of the first four batches once, in order,
-    every batch within the bound."""
+    keeping its version). kill -9 of vLLM's engine core while step 3 trains (the engine generating
+    batch 4, or done and waiting) ends the run within 60 s naming the engine, its process and the
+    phase, and leaves no process behind; resumed from step 2's checkpoint (which holds batch 3 as
+    far as it got), the run trains on each prompt of the first four batches once, in order, every
+    batch within the bound."""
     from megarl.data.prompts import prompt_dataset
     from megarl.trainer.loop import train
 
     run_dir = tmp_path / "opportunistic"
-    overrides = OPPORTUNISTIC
-    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *overrides]) as proc:
-        deadline = time.monotonic() + 400
-        while not (run_dir / "checkpoints" / "latest").is_file():
-            assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no checkpoint within 400 s"
-            time.sleep(0.5)
-        actor_pid = json.loads((run_dir / "workers.json").read_text())["actor"][0]
-        output, took = _ended_by(proc, lambda: os.kill(actor_pid, signal.SIGKILL))
+    marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
+    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *OPPORTUNISTIC],
+                  env=dict([marker.split("=")])) as proc:
+        _wait_for_phase(run_dir, proc, 3, "actor_update")
+        engines = json.loads((run_dir / "engines.json").read_text())
+        pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith("VLLM::EngineCore"))
+        output, took = _ended_by(proc, lambda: os.kill(pid, signal.SIGKILL))
     assert proc.returncode == 1 and took < 60, (took, output[-3000:])
-    cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *overrides])
+    [failure] = [line for line in output.splitlines() if "megarl train: failed" in line]
+    # the tiny model's update may be over before the watchdog's next look: a phase after it is named then
+    assert any(f"step 3, phase {p!r}" in failure for p in ("actor_update", "rollout_wait", "weight_sync")), failure
+    assert "rollout engine 0" in failure and "VLLM::EngineCore" in failure, failure
+    deadline = time.monotonic() + 30
+    while (left := _marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"left running 30 s after the run ended: {left}"
+
+    cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *OPPORTUNISTIC])
     train(cfg)
     history = _read_metrics(run_dir)
     assert [h["step"] for h in history] == [1, 2, 3, 4]
@@ -421,23 +432,19 @@ def _wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str
 
 # (the process to kill: a vLLM process of engine 0 or the driver itself; the step and phase to kill
 # it in; the phases the failure may name; how many steps the same command then resumes to, compared
-# with the straight run; extra overrides). Rollout one version ahead and interrupted at each sync
-# (opportunistic), the engine generates batch 4 while step 3 trains, or has finished it and waits:
-# either way the tiny model's update may be over before the watchdog's next look, and the run
-# notices in a phase after.
+# with the straight run; extra overrides). The engine's death while rollout runs ahead is
+# test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once.
 DEATHS = {
     "core-during-generate": ("VLLM::EngineCore", 3, "rollout", ("rollout",), 4, []),
     "worker-during-weight-sync": ("VLLM::Worker", 3, "weight_sync", ("weight_sync",), 0, []),
-    "core-while-training-ahead": ("VLLM::EngineCore", 3, "actor_update",
-                                  ("actor_update", "rollout_wait", "weight_sync"), 0, OPPORTUNISTIC),
     "sigterm-of-the-driver": ("driver", 3, "rollout", (), 3, []),
 }
 
 
 @pytest.mark.parametrize("case", list(DEATHS))
 def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_url, straight, tmp_path):
-    """kill -9 of vLLM's engine core or its worker, while the engine generates, receives weights,
-    or generates the next batch while a step trains (or waits): the run ends within 60 s with one
+    """kill -9 of vLLM's engine core or its worker, while the engine generates or receives weights
+    (while it generates ahead: the opportunistic test above): the run ends within 60 s with one
     line naming the rollout engine, the process and the phase. SIGTERM of the driver (scancel,
     kill, Ctrl-C alike) ends it too. Either way every process the run started is gone within 30 s,
     and the same command resumes from the last checkpoint, repeating the straight run."""
