@@ -112,34 +112,20 @@ def test_mixtral_moe_logits(tp, ep, pools, tiny_models, references, tmp_path_fac
         assert (logits - expected["mixtral"]).abs().max().item() <= TOL, par
 
 
-@pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 2, 2)])
-def test_qwen3_moe_logits(tp, ep, pp, pools, tiny_models, references, tmp_path_factory):
-    """Qwen3-MoE (QK-norm attention, routed experts of moe_intermediate_size, top-k renormalised)
-    at each (tp, ep, pp), written at that layout and read back at it."""
+@pytest.mark.parametrize("family,tp,ep,pp", [("qwen3_moe", 1, 1, 1), ("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 1, 1),
+                                              ("qwen3_moe", 1, 2, 2), ("qwen2_moe", 2, 2, 1), ("qwen2_moe", 1, 2, 2)])
+def test_qwen_moe_logits(family, tp, ep, pp, pools, tiny_models, references, tmp_path_factory):
+    """Qwen3-MoE (QK-norm attention, routed experts of moe_intermediate_size, top-k renormalised) and
+    Qwen2-MoE (q/k/v biases, the top k unrenormalised, a wider shared expert scaled by its sigmoid
+    gate) at each (tp, ep, pp), written at that layout and read back at it."""
     tokens, expected = references
     pool = pools.get(4)
     par = ParallelConfig(tp=tp, ep=ep, pp=pp, world_size=4)
-    path = tmp_path_factory.mktemp("qwen3moe") / f"tp{tp}ep{ep}pp{pp}"
+    path = tmp_path_factory.mktemp(family) / f"tp{tp}ep{ep}pp{pp}"
     path.mkdir()
-    pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models["qwen3_moe"]), out_dir=str(path), parallel=par,
-             dtype="float32")
+    pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models[family]), out_dir=str(path), parallel=par, dtype="float32")
     logits = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))
-    assert (logits - expected["qwen3_moe"]).abs().max().item() <= TOL, par
-
-
-@pytest.mark.parametrize("tp,ep,pp", [(2, 2, 1), (1, 2, 2)])
-def test_qwen2_moe_logits(tp, ep, pp, pools, tiny_models, references, tmp_path_factory):
-    """Qwen2-MoE (q/k/v biases, routed experts with the top k unrenormalised, a wider shared expert
-    scaled by its sigmoid gate) at (tp, ep, pp), written at that layout and read back at it."""
-    tokens, expected = references
-    pool = pools.get(4)
-    par = ParallelConfig(tp=tp, ep=ep, pp=pp, world_size=4)
-    path = tmp_path_factory.mktemp("qwen2moe") / f"tp{tp}ep{ep}pp{pp}"
-    path.mkdir()
-    pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models["qwen2_moe"]), out_dir=str(path), parallel=par,
-             dtype="float32")
-    logits = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))
-    assert (logits - expected["qwen2_moe"]).abs().max().item() <= TOL, par
+    assert (logits - expected[family]).abs().max().item() <= TOL, par
 
 
 def test_qwen3_moe_without_renormalised_top_k(pools, tmp_path_factory):

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.models.arch import ModelArch
+from megarl.models.arch import ArchError, ModelArch, required
 from megarl.models.recipes import Piece, Recipe, ShardLayout, block_name, chunk, split_block, whole
 
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -26,6 +26,17 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_f
 VLLM_W13, VLLM_W2 = "routed_experts.w13_weight", "routed_experts.w2_weight"
 # vLLM's dense MLP tensors, which a MoE layer does not have
 _DENSE_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+
+
+def qwen_moe_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """The routed-expert fields of a Qwen-MoE config (Qwen2-MoE, Qwen3-MoE): every layer sparse."""
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise ArchError(f"{source}: dense layers among the MoE layers (mlp_only_layers, decoder_sparse_step) "
+                        "are not supported")
+    # the released configs say num_experts; transformers 5 writes num_local_experts
+    experts = cfg.get("num_experts") or required(cfg, "num_local_experts", source)
+    return {"num_experts": int(experts), "moe_topk": int(required(cfg, "num_experts_per_tok", source)),
+            "ffn_hidden_size": int(required(cfg, "moe_intermediate_size", source))}
 
 
 @dataclass(frozen=True)

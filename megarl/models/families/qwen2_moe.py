@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from megarl.models.arch import ArchError, ModelArch, required
-from megarl.models.families.moe import ExpertNames, RoutedExperts
+from megarl.models.families.moe import ExpertNames, RoutedExperts, qwen_moe_fields
 from megarl.models.families.qwen2 import Qwen2Family
 from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, whole
 
@@ -31,18 +31,11 @@ class Qwen2MoeFamily(RoutedExperts, Qwen2Family):
                         up="up_proj.weight", down="down_proj.weight")
 
     def read_hf_config(self, cfg: dict[str, Any], source: str) -> dict[str, Any]:
-        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-            raise ArchError(f"{source}: dense layers among the MoE layers (mlp_only_layers, decoder_sparse_step) "
-                            "are not supported")
         shared = int(required(cfg, "shared_expert_intermediate_size", source))
         if shared <= 0:
             raise ArchError(f"{source}: shared_expert_intermediate_size={shared}: a Qwen2-MoE without its shared "
                             "expert is not supported")
-        experts = cfg.get("num_experts") or required(cfg, "num_local_experts", source)
-        return {**super().read_hf_config(cfg, source),
-                "num_experts": int(experts),
-                "moe_topk": int(required(cfg, "num_experts_per_tok", source)),
-                "ffn_hidden_size": int(required(cfg, "moe_intermediate_size", source)),
+        return {**super().read_hf_config(cfg, source), **qwen_moe_fields(cfg, source),
                 "extra": {"norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
                           "shared_expert_intermediate_size": shared}}
 

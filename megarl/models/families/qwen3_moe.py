@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.models.arch import ArchError, ModelArch, required
-from megarl.models.families.moe import ExpertNames, RoutedExperts
+from megarl.models.arch import ModelArch
+from megarl.models.families.moe import ExpertNames, RoutedExperts, qwen_moe_fields
 from megarl.models.families.qwen3 import Qwen3Family
 
 
@@ -25,15 +25,7 @@ class Qwen3MoeFamily(RoutedExperts, Qwen3Family):
                         up="up_proj.weight", down="down_proj.weight")
 
     def read_hf_config(self, cfg: dict[str, Any], source: str) -> dict[str, Any]:
-        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-            raise ArchError(f"{source}: dense layers among the MoE layers (mlp_only_layers, decoder_sparse_step) "
-                            "are not supported")
-        # the released configs say num_experts; transformers 5 writes num_local_experts
-        experts = cfg.get("num_experts") or required(cfg, "num_local_experts", source)
-        return {**super().read_hf_config(cfg, source),
-                "num_experts": int(experts),
-                "moe_topk": int(required(cfg, "num_experts_per_tok", source)),
-                "ffn_hidden_size": int(required(cfg, "moe_intermediate_size", source)),
+        return {**super().read_hf_config(cfg, source), **qwen_moe_fields(cfg, source),
                 "extra": {"norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}}
 
     def moe_config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
