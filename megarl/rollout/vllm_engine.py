@@ -16,7 +16,7 @@ from typing import Any
 
 from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.platform import current_platform
-from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, Trajectory
+from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, FinishedTurn, Trajectory
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils import process_watch
 from megarl.utils.cores import usable_cores
@@ -153,50 +153,33 @@ class VLLMEngine:
         reaches its ``max_tokens``, or ``interrupt`` reaches this call's ``epoch``: then the tokens
         generated so far come back with finish reason "interrupted" (their log-probs are final: each
         was sampled from the weights of this call). ``sampling``'s temperature, top-p/k and stop
-        tokens apply; its n, max_tokens and seed are the requests'. Driven step by step here, so an
+        tokens apply; its n, max_tokens and seed are the requests'. Driven step by step (VLLMTurns), so an
         interruption costs one decoding step, not the rest of the longest sequence."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from megarl.rollout.vllm_turns import VLLMTurns
 
         self._check_version(sampling)
+        if short := [r.max_tokens for r in requests if r.max_tokens <= 0]:  # before any request is added
+            raise ValueError(f"a segment needs max_tokens >= 1, got {short[0]}")
         started = time.perf_counter()
-        engine = self.llm.llm_engine
-        order: list[str] = []
+        turns = VLLMTurns(self.llm, None, sampling)
+        order = []
         for request in requests:
-            if request.max_tokens <= 0:
-                raise ValueError(f"a segment needs max_tokens >= 1, got {request.max_tokens}")
-            params = SamplingParams(
-                n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=request.max_tokens, stop_token_ids=list(sampling.stop_token_ids), seed=request.seed,
-                logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
             self._segment_ids += 1
             order.append(f"megarl-segment-{self._segment_ids}")
-            engine.add_request(order[-1], TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
-        tokens: dict[str, list[int]] = {rid: [] for rid in order}
-        logprobs: dict[str, list[float]] = {rid: [] for rid in order}
-        reasons: dict[str, str] = {}
+            turns.add(order[-1], request.prompt_ids, request.max_tokens, request.seed)
+        done: dict[str, tuple[FinishedTurn, str]] = {}
         try:
-            while len(reasons) < len(order):
+            while len(done) < len(order):
                 if self._interrupted_through >= epoch:
-                    left = [rid for rid in order if rid not in reasons]
-                    engine.abort_request(left)
-                    reasons |= dict.fromkeys(left, "interrupted")
+                    done |= {t.request_id: (t, "interrupted") for t in turns.abort()}
                     break
-                for output in engine.step():
-                    completion = output.outputs[0]
-                    new = list(completion.token_ids)
-                    tokens[output.request_id] += new
-                    logprobs[output.request_id] += [step[t].logprob for step, t in
-                                                    zip(completion.logprobs, new, strict=True)]
-                    if output.finished:
-                        reasons[output.request_id] = "stop" if completion.finish_reason == "stop" else "length"
+                done |= {t.request_id: (t, "stop" if t.stopped else "length") for t in turns.step()}
         except BaseException:
-            engine.abort_request([rid for rid in order if rid not in reasons])
+            turns.abort()
             raise
         finally:
             self._generate_seconds += time.perf_counter() - started
-        return [RolloutSample(list(request.prompt_ids), tokens[rid], logprobs[rid], reasons[rid])
+        return [RolloutSample(list(request.prompt_ids), done[rid][0].token_ids, done[rid][0].logprobs, done[rid][1])
                 for request, rid in zip(requests, order, strict=True)]
 
     def generate_episodes(self, requests: list[EpisodeRequest], sampling: SamplingConfig, env: EnvConfig,

@@ -1,5 +1,9 @@
 """vLLM's engine as a ``TurnBackend``: turns added one request at a time and stepped, so
-requests from many episodes batch together as they arrive (vLLM's continuous batching)."""
+requests from many episodes batch together as they arrive (vLLM's continuous batching).
+
+Each step's new tokens are kept per request (vLLM's DELTA outputs), so ``abort`` can hand back
+what the unfinished requests have so far: interruptible generation (``rollout.partial``) drives
+vLLM through this too."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ class VLLMTurns:
     def __init__(self, llm: Any, tokenizer: Any, sampling: SamplingConfig):
         self.engine = llm.llm_engine
         self.tokenizer, self.sampling = tokenizer, sampling
+        self._so_far: dict[str, tuple[list[int], list[float]]] = {}  # unfinished requests' tokens, log-probs
 
     def add(self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None) -> None:
         from vllm import SamplingParams
@@ -22,19 +27,29 @@ class VLLMTurns:
         s = self.sampling
         params = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
                                 stop_token_ids=list(s.stop_token_ids), seed=seed, logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                output_kind=RequestOutputKind.DELTA)
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+        self._so_far[request_id] = ([], [])
 
     def step(self) -> list[FinishedTurn]:
         finished = []
         for output in self.engine.step():
-            if not output.finished:
-                continue
             completion = output.outputs[0]
-            ids = list(completion.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids, strict=True)]
-            finished.append(FinishedTurn(output.request_id, ids, logprobs, completion.finish_reason == "stop"))
+            ids, logprobs = self._so_far[output.request_id]
+            new = list(completion.token_ids)
+            ids += new
+            logprobs += [step[token].logprob for step, token in zip(completion.logprobs, new, strict=True)]
+            if output.finished:
+                del self._so_far[output.request_id]
+                finished.append(FinishedTurn(output.request_id, ids, logprobs, completion.finish_reason == "stop"))
         return finished
+
+    def abort(self) -> list[FinishedTurn]:
+        """Removes every unfinished request from the engine; what each generated so far (not stopped)."""
+        left, self._so_far = self._so_far, {}
+        if left:
+            self.engine.abort_request(list(left))
+        return [FinishedTurn(request_id, ids, logprobs, False) for request_id, (ids, logprobs) in left.items()]
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
