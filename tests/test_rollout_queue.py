@@ -200,3 +200,13 @@ def test_interrupted_batches_and_token_versions_round_trip_exactly(manager, tmp_
     requests = [slot.request(max_tokens=6) for slot in got.slots if slot.finish_reason is None]
     assert [(r.prompt_ids, r.max_tokens, r.seed) for r in requests] == [([1, 2, 3, 7, 8], 4, 40 + 2 * 7919),
                                                                           ([4, 5], 6, 40 + 7919)]
+
+
+def test_work_is_split_over_engines_in_contiguous_shares_that_keep_groups_whole():
+    from megarl.utils.shares import contiguous_shares
+
+    assert contiguous_shares(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert contiguous_shares(list(range(2)), 3) == [[0], [1], []]
+    # 3 groups of 2 samples over 2 engines: 2 groups, then 1; no group split
+    assert contiguous_shares(list("aabbcc"), 2, unit=2) == [list("aabb"), list("cc")]
+    assert contiguous_shares([], 2) == [[], []]

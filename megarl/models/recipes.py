@@ -81,3 +81,17 @@ def chunk(total: int, parts: int, index: int) -> tuple[int, int]:
 def whole(name: str, shape: tuple[int, ...]) -> Recipe:
     """A tensor held whole (replicated over tensor-parallel ranks): one piece, dim 0."""
     return Recipe(0, (Piece(name, 0, shape[0]),), shape)
+
+
+def swiglu_fc1(gate: str, up: str, width: int, hidden: int, tp_rank: int, tp: int) -> Recipe:
+    """A SwiGLU MLP's fused input projection on tensor-parallel rank ``tp_rank``: its chunk of
+    ``gate``'s rows, then the same chunk of ``up``'s. Megatron-core's ``linear_fc1`` and vLLM's
+    ``gate_up_proj`` / fused ``w13`` all lay a rank's shard out this way."""
+    start, stop = chunk(width, tp, tp_rank)
+    return Recipe(0, (Piece(gate, start, stop), Piece(up, start, stop)), (2 * (stop - start), hidden))
+
+
+def swiglu_fc2(down: str, width: int, hidden: int, tp_rank: int, tp: int) -> Recipe:
+    """A SwiGLU MLP's output projection on rank ``tp_rank``: its chunk of ``down``'s columns."""
+    start, stop = chunk(width, tp, tp_rank)
+    return Recipe(1, (Piece(down, start, stop),), (hidden, stop - start))

@@ -13,6 +13,7 @@ from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest
 from megarl.rollout.sampling import SamplingConfig
 from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
+from megarl.utils.shares import contiguous_shares
 
 
 def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str | None = None,
@@ -50,8 +51,7 @@ def wait_ready(engines: list, timeout_s: float = 600.0) -> None:
 def submit_generation(engines: list, prompts: list[list[int]], sampling: SamplingConfig) -> list:
     """Asks the engines for samples of ``prompts``, split into contiguous, near-equal shares in
     engine order; returns one object ref per engine that got prompts, at once (results in order)."""
-    share = -(-len(prompts) // len(engines))
-    parts = [prompts[i * share:(i + 1) * share] for i in range(len(engines))]
+    parts = contiguous_shares(prompts, len(engines))
     return [e.generate.remote(p, sampling) for e, p in zip(engines, parts, strict=True) if p]
 
 
@@ -67,8 +67,7 @@ def submit_episodes(engines: list, items: list[EpisodeItem], sampling: SamplingC
                 for i, item in enumerate(items) for j in range(n)]
     turn = replace(sampling, n=1)
     limits = episode_limits(cfg)
-    share = -(-len(items) // len(engines)) * n
-    parts = [requests[i * share:(i + 1) * share] for i in range(len(engines))]
+    parts = contiguous_shares(requests, len(engines), unit=n)
     return [e.generate_episodes.remote(p, turn, cfg.env, cfg.rewards, limits)
             for e, p in zip(engines, parts, strict=True) if p]
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils.abort import wait_all
+from megarl.utils.shares import contiguous_shares
 
 _SEGMENT_SEED_STRIDE = 7919
 
@@ -90,8 +91,7 @@ def submit(batch: PartialRollout, engines: list, sampling: SamplingConfig, versi
     if regenerate:
         for i in todo:
             batch.slots[i].restart()
-    share = -(-len(todo) // len(engines))
-    parts = [todo[k * share:(k + 1) * share] for k in range(len(engines))]
+    parts = contiguous_shares(todo, len(engines))
     batch.calls, batch.call_slots, batch.call_version = [], [], version
     for engine, part in zip(engines, parts, strict=True):
         if part:

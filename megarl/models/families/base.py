@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from megarl.models.arch import ArchError, ModelArch
-from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, whole
+from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, swiglu_fc1, swiglu_fc2, whole
 
 _NORMS = {"input_layernorm.weight": "input_layernorm.weight",  # megatron name -> HF name
           "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
@@ -109,12 +109,9 @@ class DecoderFamily:
             start, stop = chunk(arch.num_heads * d, tp, r)
             return Recipe(1, (Piece(prefix + "self_attn.o_proj.weight", start, stop),), (h, stop - start))
         if rest == "mlp.linear_fc1.weight":
-            start, stop = chunk(f, tp, r)
-            return Recipe(0, (Piece(prefix + "mlp.gate_proj.weight", start, stop),
-                              Piece(prefix + "mlp.up_proj.weight", start, stop)), (2 * (stop - start), h))
+            return swiglu_fc1(prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight", f, h, r, tp)
         if rest == "mlp.linear_fc2.weight":
-            start, stop = chunk(f, tp, r)
-            return Recipe(1, (Piece(prefix + "mlp.down_proj.weight", start, stop),), (h, stop - start))
+            return swiglu_fc2(prefix + "mlp.down_proj.weight", f, h, r, tp)
         return None
 
     # -- vLLM -----------------------------------------------------------------------------------
@@ -147,14 +144,9 @@ class DecoderFamily:
             return Recipe(1, (Piece(prefix + "self_attn.o_proj.weight", tp_rank * width, (tp_rank + 1) * width),),
                           (h, width))
         if rest == "mlp.gate_up_proj.weight":
-            rows = f // tp
-            start, stop = tp_rank * rows, (tp_rank + 1) * rows
-            return Recipe(0, (Piece(prefix + "mlp.gate_proj.weight", start, stop),
-                              Piece(prefix + "mlp.up_proj.weight", start, stop)), (2 * rows, h))
+            return swiglu_fc1(prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight", f, h, tp_rank, tp)
         if rest == "mlp.down_proj.weight":
-            width = f // tp
-            return Recipe(1, (Piece(prefix + "mlp.down_proj.weight", tp_rank * width, (tp_rank + 1) * width),),
-                          (h, width))
+            return swiglu_fc2(prefix + "mlp.down_proj.weight", f, h, tp_rank, tp)
         return None
 
     # -- the planner's parameter count ----------------------------------------------------------

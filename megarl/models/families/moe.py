@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.models.arch import ArchError, ModelArch, required
-from megarl.models.recipes import Piece, Recipe, ShardLayout, block_name, chunk, split_block, whole
+from megarl.models.recipes import (
+    Recipe,
+    ShardLayout,
+    block_name,
+    split_block,
+    swiglu_fc1,
+    swiglu_fc2,
+    whole,
+)
 
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 # vLLM's fused expert tensors, after the family's experts prefix (``ExpertNames.expert`` less "{e}.")
@@ -86,14 +94,17 @@ class RoutedExperts:
             return whole(prefix + n.router, (arch.num_experts, arch.hidden_size))
         m = _EXPERT.match(rest)
         if m:
-            q = prefix + n.expert.format(e=int(m.group(1)))
-            h = arch.hidden_size
-            start, stop = chunk(arch.ffn_hidden_size, layout.tp, layout.tp_rank)
-            if m.group(2) == "linear_fc1":  # gate, then up
-                return Recipe(0, (Piece(q + n.gate, start, stop), Piece(q + n.up, start, stop)),
-                              (2 * (stop - start), h))
-            return Recipe(1, (Piece(q + n.down, start, stop),), (h, stop - start))
+            return self._expert_recipe(arch, prefix, int(m.group(1)), m.group(2) == "linear_fc1",
+                                       layout.tp_rank, layout.tp)
         return super().layer_recipe(arch, rest, prefix, layout)
+
+    def _expert_recipe(self, arch: ModelArch, prefix: str, expert: int, fc1: bool, tp_rank: int,
+                       tp: int) -> Recipe:
+        """Expert ``expert``'s tp-split SwiGLU: fc1 (megatron-core) and w13 (vLLM) alike."""
+        n, q = self.names, prefix + self.names.expert.format(e=expert)
+        if fc1:
+            return swiglu_fc1(q + n.gate, q + n.up, arch.ffn_hidden_size, arch.hidden_size, tp_rank, tp)
+        return swiglu_fc2(q + n.down, arch.ffn_hidden_size, arch.hidden_size, tp_rank, tp)
 
     def _vllm_experts(self, prefix: str) -> str:
         return prefix + self.names.expert.replace("{e}.", "")
@@ -114,12 +125,7 @@ class RoutedExperts:
         fused, expert = split_block(prefix + rest)
         experts = self._vllm_experts(prefix)
         if expert is not None and fused in (experts + VLLM_W13, experts + VLLM_W2):
-            q = prefix + n.expert.format(e=expert)
-            start, stop = chunk(arch.ffn_hidden_size, tp, tp_rank)
-            if fused.endswith(VLLM_W13):  # gate rows, then up rows
-                return Recipe(0, (Piece(q + n.gate, start, stop), Piece(q + n.up, start, stop)),
-                              (2 * (stop - start), h))
-            return Recipe(1, (Piece(q + n.down, start, stop),), (h, stop - start))
+            return self._expert_recipe(arch, prefix, expert, fused.endswith(VLLM_W13), tp_rank, tp)
         if rest in _DENSE_MLP:
             return None
         return super().vllm_layer_recipe(arch, rest, prefix, tp_rank, tp)

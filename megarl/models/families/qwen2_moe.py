@@ -19,7 +19,7 @@ from typing import Any
 from megarl.models.arch import ArchError, ModelArch, required
 from megarl.models.families.moe import ExpertNames, RoutedExperts, qwen_moe_fields
 from megarl.models.families.qwen2 import Qwen2Family
-from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, whole
+from megarl.models.recipes import Recipe, ShardLayout, swiglu_fc1, swiglu_fc2, whole
 
 _SHARED = "mlp.shared_expert."  # HF and vLLM
 _SHARED_GATE = "mlp.shared_expert_gate.weight"  # HF and vLLM
@@ -56,12 +56,10 @@ class Qwen2MoeFamily(RoutedExperts, Qwen2Family):
                 p + "down_proj.weight": (h, s), prefix + _SHARED_GATE: (1, h)}
 
     def _shared_recipe(self, arch: ModelArch, prefix: str, up_or_down: str, tp_rank: int, tp: int) -> Recipe:
-        h, p = arch.hidden_size, prefix + _SHARED
-        start, stop = chunk(self._shared_width(arch), tp, tp_rank)
-        if up_or_down == "up":  # gate rows, then up rows
-            return Recipe(0, (Piece(p + "gate_proj.weight", start, stop), Piece(p + "up_proj.weight", start, stop)),
-                          (2 * (stop - start), h))
-        return Recipe(1, (Piece(p + "down_proj.weight", start, stop),), (h, stop - start))
+        h, p, width = arch.hidden_size, prefix + _SHARED, self._shared_width(arch)
+        if up_or_down == "up":
+            return swiglu_fc1(p + "gate_proj.weight", p + "up_proj.weight", width, h, tp_rank, tp)
+        return swiglu_fc2(p + "down_proj.weight", width, h, tp_rank, tp)
 
     def layer_recipe(self, arch: ModelArch, rest: str, prefix: str, layout: ShardLayout) -> Recipe | None:
         if rest == _MCORE_SHARED + "linear_fc1.weight":
