@@ -669,3 +669,14 @@ def test_moe_section_loads_from_overrides():
                                         "actor.moe.capacity_factor=1.5"])
     assert (cfg.actor.moe.load_balancing, cfg.actor.moe.aux_loss_coeff, cfg.actor.moe.capacity_factor) == \
         ("aux_loss", 0.01, 1.5)
+
+
+def test_expert_tensor_parallel_layouts(mixtral_dir, llama_dir):
+    # etp=1: tp=2 ep=2 on 2 ranks is valid (each expert whole, the experts over both tp ranks)
+    archs = validate_run(actor_run(mixtral_dir, ep=2, tp=2, etp=1, world_size=2, sequence_parallel=True), CPU)
+    assert archs["actor"].num_experts == 4
+    assert "actor.parallel.etp=2 needs a mixture-of-experts model" in invalid(actor_run(llama_dir, tp=2, etp=2,
+                                                                                        world_size=2))
+    assert "actor.parallel: 2 ranks are not a multiple of etp*ep*pp = 1*4*1" in invalid(
+        actor_run(mixtral_dir, ep=4, tp=2, etp=1, world_size=2, sequence_parallel=True))
+    assert "actor.parallel.etp=0 must be >= 1" in invalid(actor_run(mixtral_dir, tp=2, etp=0, world_size=2))

@@ -112,16 +112,19 @@ def test_mixtral_moe_logits(tp, ep, pools, tiny_models, references, tmp_path_fac
         assert (logits - expected["mixtral"]).abs().max().item() <= TOL, par
 
 
-@pytest.mark.parametrize("family,tp,ep,pp", [("qwen3_moe", 1, 1, 1), ("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 1, 1),
-                                              ("qwen3_moe", 1, 2, 2), ("qwen2_moe", 2, 2, 1), ("qwen2_moe", 1, 2, 2)])
-def test_qwen_moe_logits(family, tp, ep, pp, pools, tiny_models, references, tmp_path_factory):
+@pytest.mark.parametrize("family,tp,ep,pp,etp", [
+    ("qwen3_moe", 1, 1, 1, None), ("qwen3_moe", 1, 2, 1, None), ("qwen3_moe", 2, 1, 1, None),
+    ("qwen3_moe", 1, 2, 2, None), ("qwen2_moe", 2, 2, 1, None), ("qwen2_moe", 1, 2, 2, None),
+    ("qwen3_moe", 2, 2, 1, 1), ("qwen2_moe", 2, 1, 1, 1)])
+def test_qwen_moe_logits(family, tp, ep, pp, etp, pools, tiny_models, references, tmp_path_factory):
     """Qwen3-MoE (QK-norm attention, routed experts of moe_intermediate_size, top-k renormalised) and
     Qwen2-MoE (q/k/v biases, the top k unrenormalised, a wider shared expert scaled by its sigmoid
-    gate) at each (tp, ep, pp), written at that layout and read back at it."""
+    gate) at each (tp, ep, pp), written at that layout and read back at it; etp=1: attention (and
+    Qwen2-MoE's shared expert) split over tp while every routed expert stays whole."""
     tokens, expected = references
     pool = pools.get(4)
-    par = ParallelConfig(tp=tp, ep=ep, pp=pp, world_size=4)
-    path = tmp_path_factory.mktemp(family) / f"tp{tp}ep{ep}pp{pp}"
+    par = ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, world_size=4)
+    path = tmp_path_factory.mktemp(family) / f"tp{tp}ep{ep}pp{pp}etp{etp}"
     path.mkdir()
     pool.run(jobs.hf_to_mcore, hf_dir=str(tiny_models[family]), out_dir=str(path), parallel=par, dtype="float32")
     logits = _single(pool.run(jobs.checkpoint_logits, ckpt_dir=str(path), parallel=par, tokens=tokens))

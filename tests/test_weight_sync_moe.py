@@ -34,11 +34,13 @@ def moe(ray_session, tmp_path_factory):
         ray.kill(engine)
 
 
-# every layout ran against both vLLM TPs once (all passed); the suite keeps one of each
-@pytest.mark.parametrize("tp,ep,pp,rollout_tp", [(1, 2, 1, 2), (1, 2, 2, 1), (2, 1, 1, 2)])
-def test_sync_into_fused_experts(tp, ep, pp, rollout_tp, actor4, moe):
+# every layout ran against both vLLM TPs once (all passed); the suite keeps one of each. etp=1:
+# attention split over tp=2, every expert whole on its rank, and vLLM at TP 2 splits each expert.
+# (tp = etp = 2 with routed experts is test_sync_of_a_shared_expert's layout.)
+@pytest.mark.parametrize("tp,ep,pp,etp,rollout_tp", [(1, 2, 1, None, 2), (1, 2, 2, None, 1), (2, 2, 1, 1, 2)])
+def test_sync_into_fused_experts(tp, ep, pp, etp, rollout_tp, actor4, moe):
     model, engines_by_tp = moe
-    parallel = ParallelConfig(tp=tp, ep=ep, pp=pp, world_size=4, sequence_parallel=tp > 1)
+    parallel = ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, world_size=4, sequence_parallel=tp > 1)
     actor4.run(megatron_model.load, key="actor", source=str(model), parallel=parallel)
     actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=ep + pp))
     report, verified = _sync_and_verify(actor4, engines_by_tp[rollout_tp], random_tokens(batch=2, seq=32))

@@ -23,6 +23,9 @@ class ParallelConfig:
     vpp: int | None = None  # virtual pipeline stages (model chunks) per pipeline rank
     cp: int = 1
     ep: int = 1  # expert parallel (MoE only)
+    # Expert tensor parallel: how many ranks split each expert's matrices (MoE only). None is
+    # megatron-core's default, tp; etp=1 keeps experts whole while attention is split tp ways.
+    etp: int | None = None
     sequence_parallel: bool = False
     # An explicit uneven pipeline split (megatron-core's first/last-stage layer counts);
     # the remaining layers are spread evenly over the middle stages.
@@ -34,6 +37,10 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def ranks(self) -> int:

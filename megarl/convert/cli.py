@@ -8,6 +8,7 @@ temporary directory and renamed into place when complete.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -25,7 +26,7 @@ DESCRIPTION = """Convert checkpoints between Hugging Face and megatron-core (dis
                 at --tp/--pp; print max |dlogit|, mean |dlogprob|, top-1 agreement;
                 exit 1 above --tol
 
-megarl starts the ranks itself (tp*pp*ep processes); do not wrap it in torchrun.
+megarl starts the ranks itself (tp*pp*ep processes, fewer at --etp 1); do not wrap it in torchrun.
 """
 
 
@@ -34,6 +35,9 @@ def _layout_args(p: argparse.ArgumentParser, default_tp: int | None = 1) -> None
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert-tensor-parallel size (MoE models): how many ranks split each expert; "
+                        "default: --tp; 1 keeps every expert whole")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -88,9 +92,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _parallel(args: argparse.Namespace) -> ParallelConfig:
-    par = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
-    # Experts are split over the data-parallel ranks: start ep of them per model replica.
-    par.world_size = par.model_parallel_size * max(1, par.ep)
+    par = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    # Experts are split over the data-parallel ranks (and, at etp < tp, the tensor-parallel ones):
+    # the fewest ranks that hold both the dense layout and etp * ep expert shards per stage.
+    par.world_size = math.lcm(par.model_parallel_size, max(1, par.expert_tp) * max(1, par.ep) * par.pp)
     return par
 
 

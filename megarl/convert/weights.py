@@ -19,7 +19,7 @@ from megarl.models.gpt import ModelSpec
 
 def shard_layout(spec: ModelSpec, info: RankInfo) -> ShardLayout:
     return ShardLayout(tp_rank=info.tp_rank, tp=info.tp, ep_rank=info.ep_rank, ep=info.ep,
-                       padded_vocab=spec.padded_vocab)
+                       padded_vocab=spec.padded_vocab, etp_rank=info.etp_rank, etp=info.etp)
 
 
 def canonical_parameters(chunks: list, spec: ModelSpec, info: RankInfo) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -30,6 +30,8 @@ class RankInfo:
     pp: int
     dp: int
     ep: int
+    etp_rank: int = 0  # rank among those splitting each of this rank's experts
+    etp: int = 1
 
 
 def rank_info() -> RankInfo:
@@ -46,6 +48,8 @@ def rank_info() -> RankInfo:
         pp=ps.get_pipeline_model_parallel_world_size(),
         dp=ps.get_data_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
     )
 
 
@@ -67,6 +71,7 @@ def megatron_parallel(par: ParallelConfig, seed: int = 1234, timeout_minutes: in
             virtual_pipeline_model_parallel_size=par.vpp,
             context_parallel_size=par.cp,
             expert_model_parallel_size=par.ep,
+            expert_tensor_parallel_size=par.expert_tp,
             distributed_timeout_minutes=timeout_minutes,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -132,7 +132,7 @@ class Family(Protocol):
         """The HF pieces of vLLM's layer parameter ``rest`` on vLLM TP rank ``tp_rank`` of ``tp``."""
         ...
 
-    def layer_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
+    def layer_params(self, arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
         """Element counts of one layer's parameter tensors on one rank, split as megatron-core
         splits them: (dense, expert). The planner's one parameter count."""
         ...

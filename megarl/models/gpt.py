@@ -104,6 +104,7 @@ def transformer_config(spec: ModelSpec):
         virtual_pipeline_model_parallel_size=par.vpp,
         context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
         sequence_parallel=par.sequence_parallel,
         num_layers_in_first_pipeline_stage=par.first_stage_layers,
         num_layers_in_last_pipeline_stage=par.last_stage_layers,

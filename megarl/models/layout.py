@@ -23,7 +23,7 @@ def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[st
     if arch.num_kv_heads % par.tp:
         errors.append(f"{where}.tp={par.tp} does not divide the query groups "
                       f"(num_key_value_heads={arch.num_kv_heads})")
-    if arch.ffn_hidden_size % par.tp:
+    if arch.ffn_hidden_size % par.tp and not (arch.is_moe and par.etp is not None):
         errors.append(f"{where}.tp={par.tp} does not divide intermediate_size={arch.ffn_hidden_size}")
     errors += _pipeline_errors(arch, par, where)
     if par.cp > 1:  # refused, not run wrong: megatron-core expects each cp rank's share of every sequence
@@ -35,6 +35,15 @@ def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[st
         errors.append(f"{where}.ep={par.ep} needs a mixture-of-experts model ({arch.family} has none)")
     if arch.is_moe and arch.num_experts % par.ep:
         errors.append(f"{where}.ep={par.ep} does not divide num_local_experts={arch.num_experts}")
+    if par.etp is not None:
+        if par.etp < 1:
+            errors.append(f"{where}.etp={par.etp} must be >= 1")
+            return errors
+        if not arch.is_moe:
+            errors.append(f"{where}.etp={par.etp} needs a mixture-of-experts model ({arch.family} has none)")
+        elif arch.ffn_hidden_size % par.etp:
+            errors.append(f"{where}.etp={par.etp} does not divide the experts' intermediate size "
+                          f"({arch.ffn_hidden_size})")
     ranks = par.ranks
     if ranks % par.model_parallel_size:
         errors.append(f"{where}.world_size={ranks} is not a multiple of tp*pp*cp="
@@ -42,9 +51,12 @@ def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[st
     elif par.dp is not None and par.world_size is not None and ranks != par.model_parallel_size * par.dp:
         errors.append(f"{where}.world_size={ranks} != tp*pp*cp*dp = "
                       f"{par.tp}*{par.pp}*{par.cp}*{par.dp}")
-    if par.ep > 1 and (ranks // (par.tp * par.pp)) % par.ep:
+    if par.ep > 1 and par.etp is None and (ranks // (par.tp * par.pp)) % par.ep:
         errors.append(f"{where}.ep={par.ep} does not divide the {ranks // (par.tp * par.pp)} "
                       "ranks of a pipeline stage's data-parallel x context-parallel group")
+    elif par.etp is not None and ranks % (par.etp * par.ep * par.pp):
+        errors.append(f"{where}: {ranks} ranks are not a multiple of etp*ep*pp = {par.etp}*{par.ep}*{par.pp} "
+                      "(each expert's split times the expert groups of a pipeline stage)")
     return errors
 
 

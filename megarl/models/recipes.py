@@ -46,6 +46,16 @@ class ShardLayout:
     ep_rank: int = 0
     ep: int = 1
     padded_vocab: int = 0
+    # how each expert's matrices are split; None: as the dense layers' (tp_rank, tp)
+    etp_rank: int | None = None
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> tuple[int, int]:
+        """(rank, size) of the split of each expert's matrices."""
+        if self.etp is None:
+            return self.tp_rank, self.tp
+        return self.etp_rank or 0, self.etp
 
 
 def block_name(name: str, index: int) -> str:

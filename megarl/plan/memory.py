@@ -50,6 +50,7 @@ class Layout:
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None: tp (megatron-core's default)
     vpp: int | None = None
     sequence_parallel: bool = False
     first_stage_layers: int | None = None
@@ -60,9 +61,13 @@ class Layout:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def expert_dp(self) -> int:
-        """Replicas of each expert shard (expert tensor parallelism = tp, megatron-core's default)."""
-        return max(1, self.cp * self.dp // self.ep)
+        """Replicas of each expert shard: a stage's tp * cp * dp ranks over etp * ep."""
+        return max(1, self.tp * self.cp * self.dp // (self.expert_tp * self.ep))
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
@@ -70,6 +75,8 @@ class Layout:
             parts.append(f"cp={self.cp}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.etp is not None and self.etp != self.tp:
+            parts.append(f"etp={self.etp}")
         if self.vpp:
             parts.append(f"vpp={self.vpp}")
         if self.sequence_parallel:
@@ -142,19 +149,19 @@ def stage_layer_counts(num_layers: int, layout: Layout) -> list[int]:
     return [c if c is not None else rest // middle for c in counts]
 
 
-def layer_tensors(arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
+def layer_tensors(arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
     """Element counts of one transformer layer's parameters on one rank: (dense, expert).
 
     The family's count (``Family.layer_params``), which ``ModelArch.num_parameters`` sums at
     tp = ep = 1: every planner path counts parameters through it."""
-    return family_of(arch).layer_params(arch, tp, ep)
+    return family_of(arch).layer_params(arch, tp, ep, etp)
 
 
 def stage_tensors(arch: ModelArch, layout: Layout, stage: int, value_head: bool = False,
                   pad_multiple: int = 128) -> tuple[list[int], list[int]]:
     """Parameter element counts of one rank of ``stage``: (dense, expert)."""
     layers = stage_layer_counts(arch.num_layers, layout)[stage]
-    one_dense, one_expert = layer_tensors(arch, layout.tp, layout.ep)
+    one_dense, one_expert = layer_tensors(arch, layout.tp, layout.ep, layout.expert_tp)
     dense, expert = one_dense * layers, one_expert * layers
     vocab_shard = padded_vocab(arch, layout.tp, pad_multiple) // layout.tp * arch.hidden_size
     if stage == 0:
@@ -231,9 +238,11 @@ def _mlp_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, t: in
     # tokens (top-k copies of each) entering the experts; per routed token in an expert, fc1's
     # output (2 ffn) and four ffn-wide tensors of the SwiGLU with the routing probability
     # applied inside it (megatron-core's experts weigh by the probs before fc2)
-    topk = arch.moe_topk or 1
-    routed = t * topk
-    return t * arch.num_experts * 4 * 2 + routed * (h + 6 * ffn // tp) * e + routed * 4
+    # Each group of etp ranks runs the experts on the tokens of etp sequence-parallel shards (all of
+    # the tp group's tokens when etp = tp, its own shard's when etp = 1), at ffn / etp wide.
+    topk, etp = arch.moe_topk or 1, layout.expert_tp
+    routed = t * topk * etp // tp
+    return t * arch.num_experts * 4 * 2 + routed * (h + 6 * ffn // etp) * e + routed * 4
 
 
 def head_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, pad_multiple: int = 128,

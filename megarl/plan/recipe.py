@@ -49,7 +49,7 @@ def recipe_gpus(cfg: RunConfig) -> int:
 
 def layout_of(role) -> Layout:
     par = role.parallel
-    return Layout(tp=par.tp, pp=par.pp, dp=par.data_parallel_size, cp=par.cp, ep=par.ep, vpp=par.vpp,
+    return Layout(tp=par.tp, pp=par.pp, dp=par.data_parallel_size, cp=par.cp, ep=par.ep, etp=par.etp, vpp=par.vpp,
                   sequence_parallel=par.sequence_parallel, first_stage_layers=par.first_stage_layers,
                   last_stage_layers=par.last_stage_layers)
 

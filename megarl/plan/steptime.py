@@ -191,12 +191,15 @@ def training_s(arch: ModelArch, layout: Layout, micro_batch: int, cost: TrainCos
                                                                                                  eff))
     microbatches = max(1, rl.sequences // (layout.dp * rl.minibatches * micro_batch))
     bubble = 1 + (layout.pp - 1) / (microbatches * (layout.vpp or 1))
-    # distributed optimizer per optimizer step: reduce-scatter fp32 grads, all-gather bf16 params
-    shard = arch.num_parameters() / (layout.tp * layout.pp)
-    dp_group = layout.dp * layout.cp
+    # distributed optimizer per optimizer step: reduce-scatter fp32 grads, all-gather bf16 params;
+    # dense shards over the dp * cp replicas, expert shards over the expert-data-parallel ones
+    experts = expert_params(arch)
+    shard = (arch.num_parameters() - experts) / (layout.tp * layout.pp)
+    expert_shard = experts / (layout.expert_tp * layout.ep * layout.pp)
+    dp_group, edp = layout.dp * layout.cp, layout.expert_dp
     # megatron-core orders ranks tp, cp, dp, pp: a dp group spans tp * cp * dp consecutive GPUs
     dp_link = link_gbps(layout.tp * dp_group, gpu) * 1e9 * eff.link_efficiency
-    comm = (dp_group - 1) / dp_group * shard * 6 / dp_link
+    comm = ((dp_group - 1) / dp_group * shard + (edp - 1) / edp * expert_shard) * 6 / dp_link
     # pipeline: each micro-batch's activations go forward and their gradients back over every
     # stage boundary; the slowest boundary (across nodes once the pipeline leaves one) sets the pace
     p2p = 0.0
@@ -205,11 +208,39 @@ def training_s(arch: ModelArch, layout: Layout, micro_batch: int, cost: TrainCos
         p2p = 2 * microbatches * rl.minibatches * rl.ppo_epochs * mb_bytes / (
             link_gbps(layout.gpus, gpu) * 1e9 * eff.link_efficiency)
     # tensor parallelism: 4 all-reduces (2 forward, 2 backward) of each layer's hidden states,
-    # over NVLink inside a node; each pipeline stage runs its layers for the dp shard's tokens
+    # over NVLink inside a node; each pipeline stage runs its layers for the dp shard's tokens.
+    # An MoE layer's MLP half is the token exchange instead (moe_token_exchange_s).
     tp_bytes = tokens / layout.dp * arch.num_layers / layout.pp * 4 * arch.hidden_size * 2
+    if arch.is_moe:
+        tp_bytes /= 2
     tp_comm = tp_bytes * 2 * (layout.tp - 1) / layout.tp / (link_gbps(layout.tp, gpu) * 1e9 * eff.link_efficiency)
     steps = rl.minibatches * rl.ppo_epochs
-    return compute * bubble + tp_comm + p2p + (comm + optimizer_offload_s(arch, layout, cost, gpu, eff)) * steps
+    return (compute * bubble + tp_comm + moe_token_exchange_s(arch, layout, tokens, gpu, eff) + p2p
+            + (comm + optimizer_offload_s(arch, layout, cost, gpu, eff)) * steps)
+
+
+def expert_params(arch: ModelArch) -> float:
+    """The routed experts' parameters, all layers (0 for a dense model)."""
+    if not arch.is_moe:
+        return 0.0
+    _, experts = layer_tensors(arch, 1, 1)
+    return float(sum(experts) * arch.num_layers)
+
+
+def moe_token_exchange_s(arch: ModelArch, layout: Layout, tokens: float, gpu: GpuSpec, eff: Efficiency) -> float:
+    """megatron-core's all-to-all dispatcher, per MoE layer and rank: each of the rank's tokens
+    (its sequence-parallel shard) goes in top-k copies to the ranks of their experts and back
+    (dispatch and combine, forward and backward: 4 exchanges; (ep-1)/ep of the copies leave the
+    rank), then the etp ranks splitting each expert all-gather their tokens and reduce-scatter
+    the outputs (4 more, (etp-1) shares each). etp = 1 keeps the second part off the wire."""
+    if not arch.is_moe:
+        return 0.0
+    per_rank = tokens / layout.dp / layout.tp * arch.num_layers / layout.pp * (arch.moe_topk or 1)
+    copy = arch.hidden_size * 2  # bf16 hidden states
+    ep, etp = layout.ep, layout.expert_tp
+    a2a = 4 * per_rank * copy * (ep - 1) / ep / (link_gbps(etp * ep, gpu) * 1e9 * eff.link_efficiency)
+    gather = 4 * per_rank * copy * (etp - 1) / (link_gbps(etp, gpu) * 1e9 * eff.link_efficiency)
+    return a2a + gather
 
 
 def optimizer_offload_s(arch: ModelArch, layout: Layout, cost: TrainCost, gpu: GpuSpec, eff: Efficiency) -> float:

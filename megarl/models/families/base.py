@@ -151,9 +151,9 @@ class DecoderFamily:
 
     # -- the planner's parameter count ----------------------------------------------------------
 
-    def layer_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
+    def layer_params(self, arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
         dense = self.attention_params(arch, tp)
-        mlp_dense, expert = self.mlp_params(arch, tp, ep)
+        mlp_dense, expert = self.mlp_params(arch, tp, ep, etp)
         return dense + mlp_dense, expert
 
     def attention_params(self, arch: ModelArch, tp: int) -> list[int]:
@@ -165,7 +165,7 @@ class DecoderFamily:
             dense.append(qkv_out)
         return dense
 
-    def mlp_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
+    def mlp_params(self, arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
         """(dense, expert) tensors of the MLP on one rank: fc1 (gate and up fused), fc2."""
         if arch.is_moe:  # a hand-made arch: counting its experts as one dense MLP would be silently wrong
             raise ArchError(f"family {self.model_type!r} has a dense MLP, but num_experts={arch.num_experts}")

@@ -95,7 +95,7 @@ class RoutedExperts:
         m = _EXPERT.match(rest)
         if m:
             return self._expert_recipe(arch, prefix, int(m.group(1)), m.group(2) == "linear_fc1",
-                                       layout.tp_rank, layout.tp)
+                                       *layout.expert_tp)
         return super().layer_recipe(arch, rest, prefix, layout)
 
     def _expert_recipe(self, arch: ModelArch, prefix: str, expert: int, fc1: bool, tp_rank: int,
@@ -130,9 +130,9 @@ class RoutedExperts:
             return None
         return super().vllm_layer_recipe(arch, rest, prefix, tp_rank, tp)
 
-    def mlp_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
-        # the router (replicated) is dense; each of this rank's experts is a tp-split SwiGLU
-        h, ffn = arch.hidden_size, arch.ffn_hidden_size // tp
+    def mlp_params(self, arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
+        # the router (replicated) is dense; each of this rank's experts is an etp-split SwiGLU
+        h, ffn = arch.hidden_size, arch.ffn_hidden_size // (tp if etp is None else etp)
         expert: list[int] = []
         for _ in range(arch.num_experts // ep):
             expert += [2 * ffn * h, ffn * h]

@@ -83,9 +83,10 @@ class Qwen2MoeFamily(RoutedExperts, Qwen2Family):
             return whole(prefix + rest, (1, arch.hidden_size))
         return super().vllm_layer_recipe(arch, rest, prefix, tp_rank, tp)
 
-    def mlp_params(self, arch: ModelArch, tp: int, ep: int) -> tuple[list[int], list[int]]:
-        # the shared expert is a tp-split SwiGLU every rank holds, its gate replicated
-        dense, expert = super().mlp_params(arch, tp, ep)
+    def mlp_params(self, arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
+        # the shared expert is a tp-split SwiGLU every rank holds (megatron-core splits it over tp,
+        # not etp), its gate replicated
+        dense, expert = super().mlp_params(arch, tp, ep, etp)
         h, s = arch.hidden_size, self._shared_width(arch) // tp
         return [*dense, 2 * s * h, s * h, h], expert
 
