@@ -354,21 +354,35 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
 
 def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: dict, optim: dict,
                     micro_batch_size: int = 2, ref_dir: str | None = None, settings=None) -> dict | None:
-    """One SFT / reward-model / DPO step at ``parallel`` (DPO: the reference's log-probs first, from
-    its own megatron model at the same layout); the step's metrics from the reporting rank."""
+    """One SFT / reward-model / DPO / KTO step at ``parallel`` (DPO, KTO: the reference's log-probs
+    first, from its own megatron model at the same layout); the step's metrics from the reporting
+    rank. KTO's batch also holds its mismatched rows (``kl_tokens``, ``kl_mask``, ``kl_seq_lens``):
+    the reference's and then the policy's log-probs of them give the step's reference point."""
+    from megarl.algorithms.kto import kl_reference_point
     from megarl.workers import megatron_model, preference_fns, rl_fns
 
-    if kind == "dpo":
-        megatron_model.load("pref", ref_dir, parallel)
-        part = rl_fns.logprobs("pref", batch, micro_batch_size=micro_batch_size)
+    def everywhere(rows: dict) -> torch.Tensor:  # log-probs of ``rows`` [B, L-1], on every rank
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, part)
-        batch = {**batch, "ref_logprobs": rl_fns.gather_shards(parts)}
+        dist.all_gather_object(parts, rl_fns.logprobs("pref", rows, micro_batch_size=micro_batch_size))
+        return rl_fns.gather_shards(parts)
+
+    kl_rows = None
+    if kind == "kto":
+        kl_rows = {"tokens": batch["kl_tokens"], "mask": batch["kl_mask"], "seq_lens": batch["kl_seq_lens"]}
+        batch = {k: v for k, v in batch.items() if not k.startswith("kl_")}
+    if kind in ("dpo", "kto"):
+        megatron_model.load("pref", ref_dir, parallel)
+        batch = {**batch, "ref_logprobs": everywhere(batch)}
+        ref_kl = everywhere(kl_rows) if kl_rows is not None else None
         megatron_model.unload("pref")
     megatron_model.load("pref", model_dir, parallel, value_head=kind == "rm")
     try:
+        if kl_rows is not None:
+            policy_kl = everywhere(kl_rows)  # before the step, no grad (TRL's KL_logps too)
+            mask = kl_rows["mask"]
+            batch["kto_kl"] = kl_reference_point((policy_kl * mask).sum(1), (ref_kl * mask).sum(1))
         fn = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_model,
-              "dpo": preference_fns.train_dpo}[kind]
+              "dpo": preference_fns.train_dpo, "kto": preference_fns.train_kto}[kind]
         return fn("pref", batch, settings, optim, micro_batch_size)
     finally:
         megatron_model.unload("pref")

@@ -1,6 +1,6 @@
-"""SFT, reward-model (Bradley-Terry) and DPO losses of megarl's Megatron updates against TRL's
-trainers (SFTTrainer, RewardTrainer, DPOTrainer) on the same tiny model and the same batch, as
-TRL's own collator builds it, fp32, at tp1 and tp2 x pp2; plus the loss formulas by hand."""
+"""SFT, reward-model (Bradley-Terry), DPO and KTO losses of megarl's Megatron updates against TRL's
+trainers (SFTTrainer, RewardTrainer, DPOTrainer, KTOTrainer) on the same tiny model and the same
+batch, as TRL's own collator builds it, fp32, at tp1 and tp2 x pp2; plus the loss formulas by hand."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from conftest import build_tiny_policy, with_smollm2_tokenizer
 
 from megarl.algorithms.bradley_terry import bradley_terry_loss
 from megarl.algorithms.dpo import PairLogprobs, dpo_loss
+from megarl.algorithms.kto import kl_reference_point, kto_loss
 from megarl.config.schema import OptimizerConfig, ParallelConfig
 from megarl.config.supervised import DpoConfig
 
@@ -88,9 +89,38 @@ def test_dpo_and_bradley_terry_formulas_by_hand():
                                      margin=torch.tensor([0.5, 0.0]))
     assert bt.item() == pytest.approx((math.log1p(math.exp(-0.5)) + math.log1p(math.exp(2.0))) / 2)
     assert metrics["rm/accuracy"].item() == 0.5
-    assert DpoConfig(beta=0, loss_type="kto", label_smoothing=0.7).problems() == [
-        "dpo.beta must be a positive number, got 0", "dpo.loss_type must be one of sigmoid, ipo, got 'kto'",
+    assert DpoConfig(beta=0, loss_type="orpo", label_smoothing=0.7).problems() == [
+        "dpo.beta must be a positive number, got 0", "dpo.loss_type must be one of sigmoid, ipo, kto, got 'orpo'",
         "dpo.label_smoothing must be in [0, 0.5), got 0.7"]
+
+
+def test_kto_formula_by_hand():
+    # a desirable and an undesirable answer: policy (-3, -5), reference (-4, -4): log-ratios (1, -1)
+    settings = DpoConfig(beta=0.5, loss_type="kto", desirable_weight=2.0, undesirable_weight=0.5)
+    policy, ref, desirable = torch.tensor([-3.0, -5.0]), torch.tensor([-4.0, -4.0]), torch.tensor([True, False])
+    loss, metrics = kto_loss(policy, ref, desirable, 0.5, settings, denom=2, desirable_count=1)
+
+    def sigmoid(x: float) -> float:
+        return 1 / (1 + math.exp(-x))
+
+    desirable_loss = 2.0 * (1 - sigmoid(0.5 * (1 - 0.5)))  # w_d (1 - sigmoid(beta (r - z)))
+    undesirable_loss = 0.5 * (1 - sigmoid(0.5 * (0.5 - (-1))))  # w_u (1 - sigmoid(beta (z - r)))
+    assert loss.item() == pytest.approx((desirable_loss + undesirable_loss) / 2)
+    assert metrics["kto/kl"].item() == 0.5
+    assert metrics["kto/reward_chosen"].item() == pytest.approx(0.5)
+    assert metrics["kto/reward_rejected"].item() == pytest.approx(-0.5)
+    # halves of the step (denom 2, one example each) add up to the whole step's loss
+    halves = [kto_loss(policy[i:i + 1], ref[i:i + 1], desirable[i:i + 1], 0.5, settings, 2, 1)[0] for i in (0, 1)]
+    assert sum(h.item() for h in halves) == pytest.approx(loss.item())
+    # the reference point: the mismatched pairs' mean log-ratio, never below 0
+    assert kl_reference_point(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -2.0])) == 0.5
+    assert kl_reference_point(torch.tensor([-3.0, -2.0]), torch.tensor([-2.0, -2.0])) == 0.0
+    with pytest.raises(ValueError, match="kto"):
+        dpo_loss(PairLogprobs(*(torch.zeros(1) for _ in range(6))), settings, denom=1)
+    assert DpoConfig(loss_type="kto", label_smoothing=0.1, desirable_weight=0, undesirable_weight=-1).problems() == [
+        "dpo.label_smoothing applies to loss_type sigmoid only",
+        "dpo.desirable_weight must be a positive number, got 0",
+        "dpo.undesirable_weight must be a positive number, got -1"]
 
 
 @pytest.mark.parametrize("loss_type,layout", [("sigmoid", LAYOUTS[0]), ("ipo", LAYOUTS[0]), ("sigmoid", LAYOUTS[1])],
@@ -114,6 +144,45 @@ def test_dpo_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, loss_ty
                  batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["completion_mask"], 4))
     assert ours["dpo_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
     assert 0.0 <= ours["dpo/accuracy"] <= 1.0 and ours["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])
+def test_kto_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, layout):
+    """TRL unpairs the pairs (4 chosen answers, desirable, then the 4 rejected ones) and, within
+    each batch of 8, pairs every prompt with the previous example's answer for the KL rows;
+    megarl's step gets TRL's collated rows and computes the reference point and the loss itself.
+    The moved weights are the policy here, the tiny policy the reference: that way round the KL
+    rows' mean log-ratio is positive, so the reference point is not clamped to 0 and counts."""
+    import transformers
+    from datasets import Dataset
+
+    policy_dir, reference_dir = reference_dir, policy_dir
+    policy = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(policy_dir)
+    weights = {"desirable_weight": 1.25, "undesirable_weight": 0.8}
+    args = _trl_args(trl.KTOConfig, tmp_path, beta=0.5, **weights)
+    args.per_device_train_batch_size = 8  # the whole unpaired set: desirable and undesirable rows in one batch
+    trainer = trl.KTOTrainer(model=policy, ref_model=ref, processing_class=tokenizer, args=args,
+                             train_dataset=Dataset.from_list(_pairs()))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["label"].tolist() == [True] * 4 + [False] * 4
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, dict(batch)).item()
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train" if trainer.model.training else "eval"].items()}
+    assert trl_metrics["kl"] > 0.1, trl_metrics
+    rows = _megarl_batch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 8)
+    kl_rows = _megarl_batch(batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"], 8)
+    ours = _step(pools, layout, kind="kto", model_dir=str(policy_dir), ref_dir=str(reference_dir),
+                 settings=DpoConfig(beta=0.5, loss_type="kto", **weights),
+                 batch={**rows, "desirable": batch["label"].bool(), "kl_tokens": kl_rows["tokens"],
+                        "kl_mask": kl_rows["mask"], "kl_seq_lens": kl_rows["seq_lens"]})
+    assert ours["kto_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected, trl_metrics)
+    assert ours["kto/kl"] == pytest.approx(trl_metrics["kl"], abs=2e-5), (ours, trl_metrics)
+    for name in ("chosen", "rejected"):
+        got, want = ours[f"kto/reward_{name}"], trl_metrics[f"rewards/{name}"]
+        assert got == pytest.approx(want, abs=2e-5), (name, ours, trl_metrics)
+    assert ours["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])

@@ -237,3 +237,94 @@ def test_a_conversation_ends_where_generation_ends(smollm2):
     assert list(seq.tokens) == rendered[:-1] and seq.tokens[-1] == eos
     turns = tokenizer.decode([t for t, c in zip(seq.tokens, seq.completion, strict=True) if c])
     assert turns == "4<|im_end|>6<|im_end|>"
+
+
+def test_kto_rows_and_their_kl_rows(smollm2):
+    """``dpo.loss_type: kto`` unpairs each pair into its chosen (desirable) and rejected answer;
+    the KL rows give each row's prompt the same kind of answer of the previous pair (TRL's rows:
+    it unpairs into [chosen..., rejected...] and cycles by one), and only the last answer of a
+    multi-turn context is scored."""
+    import transformers
+
+    from megarl.data.supervised import kto_batch, kto_kl_rows, pair_example
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
+    context = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    records = [{"messages": [*context, {"role": "user", "content": f"What is {i} + {i}?"}], "chosen": f"{2 * i}",
+                "rejected": f"{2 * i + 1}"} for i in range(3)]
+    pairs = [pair_example(r, tokenizer, f"record {i}", max_len=128) for i, r in enumerate(records)]
+    batch, kl = kto_batch(pairs, pad_id=0), kto_kl_rows(pairs, pad_id=0, max_len=128)
+    assert batch["desirable"].tolist() == [True, False] * 3
+
+    def decode(rows: dict, i: int, marked: bool) -> str:
+        n = int(rows["seq_lens"][i])
+        keep = rows["mask"][i, :n - 1] != 0 if marked else rows["mask"][i, :n - 1] == 0
+        return tokenizer.decode(rows["tokens"][i, 1:n][keep])
+
+    answers = [decode(batch, i, True) for i in range(6)]
+    assert answers == [f"{v}<|im_end|>" for i in range(3) for v in (2 * i, 2 * i + 1)]  # not "Hello"
+    for i in range(6):
+        previous = (i - 2) % 6
+        assert decode(kl, i, True) == answers[previous]
+        assert decode(kl, i, False) == decode(batch, i, False)  # the row's own prompt
+    with pytest.raises(ValueError, match="at least 2 pairs"):
+        kto_kl_rows(pairs[:1], pad_id=0, max_len=128)
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory, smollm2, policy) -> Path:
+    """The tiny policy with its weights moved: a model whose log-probs differ from the policy's."""
+    import transformers
+    from conftest import with_smollm2_tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    path = tmp_path_factory.mktemp("sup") / "moved"
+    model.save_pretrained(path)
+    return with_smollm2_tokenizer(path, smollm2)
+
+
+def _summed_logprobs(model_dir: Path, rows: dict) -> torch.Tensor:
+    """transformers' log-probs of each row's marked tokens, summed [B]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    attention = (torch.arange(rows["tokens"].shape[1]) < rows["seq_lens"].unsqueeze(1)).long()
+    with torch.no_grad():
+        logits = model(input_ids=rows["tokens"], attention_mask=attention).logits[:, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, rows["tokens"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (lp * rows["mask"]).sum(1)
+
+
+def test_kto_learns_with_its_kl_reference_point(tmp_path, policy, moved, capsys):
+    """``megarl dpo`` with ``dpo.loss_type: kto`` (its loss equals TRL's KTOTrainer's,
+    ``tests/test_preference.py``), training the moved model against the tiny policy: the first
+    step's KL reference point is transformers' mean log-ratio of that step's KL rows, and the
+    held-out loss falls. (Resume is the DPO loop's, tested above.)"""
+    import transformers
+
+    from megarl.data.supervised import batch_indices, kto_kl_rows, load_examples
+
+    data = _write_jsonl(tmp_path / "train.jsonl", _pair_records(12))
+    recipe = _recipe(tmp_path, "kto", moved, data, dpo="{loss_type: kto, beta: 0.5, undesirable_weight: 1.2}",
+                     reference=f"{{model: {{path: \"{policy}\"}}, parallel: {{tp: 1, world_size: 1}}, "
+                               "micro_batch_size: 4}")
+    assert main(["dpo", str(recipe), "trainer.checkpoint_every=0"]) == 0  # one checkpoint: quicker
+    history = _history(tmp_path / "kto")
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+    assert history[-1]["eval/heldout/loss"] < history[0]["eval/heldout/loss"], history
+    assert all("model/kto/reward_chosen" in h for h in history[1:]), history
+    # step 1's pairs (the first 8 records train, the last 4 are held out) and their KL rows
+    train = load_examples(str(data), "dpo", transformers.AutoTokenizer.from_pretrained(policy), max_len=128)[:8]
+    rows = kto_kl_rows([train[i] for i in batch_indices(8, 4, 0, 0)], pad_id=2, max_len=128)
+    z = float((_summed_logprobs(moved, rows) - _summed_logprobs(policy, rows)).mean())
+    assert z > 0.1 and history[1]["model/kto/kl"] == pytest.approx(z, abs=1e-4), (z, history[1])
+    capsys.readouterr()
+    assert main(["dpo", str(recipe), "dpo.precompute_reference=true", "data.batch_size=1",
+                 "model.micro_batch_size=2"]) == 2
+    err = capsys.readouterr().err
+    assert "dpo.precompute_reference does not apply to loss_type kto" in err
+    assert "data.batch_size must be at least 2 for dpo.loss_type kto" in err

@@ -11,7 +11,8 @@ over beta. Losses (``DpoConfig.loss_type``):
   log-ratio averaged over its tokens (the length normalisation the IPO authors used; TRL's too).
 
 The loss is the mean over the step's pairs. ``sigmoid`` and ``ipo`` equal TRL's ``DPOTrainer``
-losses on the same model and batch (``tests/test_preference.py``).
+losses on the same model and batch (``tests/test_preference.py``). ``kto`` scores answers one by
+one, not in pairs: ``megarl.algorithms.kto``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def dpo_loss(pairs: PairLogprobs, settings: DpoConfig, denom: float) -> tuple[to
         delta = chosen_ratio - rejected_ratio
         eps = settings.label_smoothing
         per_pair = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
-    else:  # ipo
+    elif settings.loss_type == "ipo":
         delta = (chosen_ratio / pairs.chosen_tokens.clamp(min=1) - rejected_ratio / pairs.rejected_tokens.clamp(min=1))
         per_pair = (delta - 1 / (2 * beta)) ** 2
+    else:  # kto scores each answer alone, against a batch-wide reference point
+        raise ValueError(f"dpo_loss has no pairwise loss_type {settings.loss_type!r} (kto: megarl.algorithms.kto)")
     loss = per_pair.sum() / denom
     with torch.no_grad():
         reward_chosen, reward_rejected = beta * chosen_ratio, beta * rejected_ratio

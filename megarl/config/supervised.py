@@ -14,17 +14,21 @@ from dataclasses import dataclass, field
 from megarl.config.schema import RoleConfig
 
 STAGES = ("sft", "rm", "dpo")
-DPO_LOSSES = ("sigmoid", "ipo")
+DPO_LOSSES = ("sigmoid", "ipo", "kto")
 
 
 @dataclass
 class DpoConfig:
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid | ipo
+    loss_type: str = "sigmoid"  # sigmoid | ipo | kto (unpaired: megarl.algorithms.kto)
     label_smoothing: float = 0.0  # conservative DPO (sigmoid only): the chance a pair's label is wrong
     # The reference's log-probs of every pair computed once at the start, after which the reference
     # group stops (its memory and processes freed); false: the reference scores each step's batch.
     precompute_reference: bool = False
+    # kto: the weights of desirable and undesirable examples' losses (KTO's lambda_D, lambda_U;
+    # the paper keeps w_d * n_desirable / (w_u * n_undesirable) within [1, 4/3])
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     def problems(self, prefix: str = "dpo") -> list[str]:
         out = []
@@ -37,6 +41,13 @@ class DpoConfig:
             out.append(f"{prefix}.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
         elif self.label_smoothing and self.loss_type != "sigmoid":
             out.append(f"{prefix}.label_smoothing applies to loss_type sigmoid only")
+        if self.loss_type == "kto" and self.precompute_reference:
+            out.append(f"{prefix}.precompute_reference does not apply to loss_type kto: its KL rows (each prompt "
+                       "with another pair's answer) change with every batch, so the reference scores each step")
+        for name in ("desirable_weight", "undesirable_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                out.append(f"{prefix}.{name} must be a positive number, got {value!r}")
         return out
 
 

@@ -261,6 +261,44 @@ def pair_batch(pairs: list[PairExample], pad_id: int) -> dict[str, torch.Tensor]
     return batch
 
 
+def _last_answer(seq: TokenSeq) -> tuple[int, TokenSeq]:
+    """Where ``seq``'s last answer starts (after its last non-completion token), and ``seq`` with
+    only that answer marked: KTO scores the answer to the prompt, and an earlier assistant turn of
+    the context is prompt, as TRL splits prompt and completion."""
+    start = max(i for i, c in enumerate(seq.completion) if not c) + 1
+    return start, TokenSeq(seq.tokens, (0,) * start + seq.completion[start:])
+
+
+def kto_batch(pairs: list[PairExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """KTO's unpaired rows of ``pairs``: each pair's chosen answer (``desirable``) and its rejected
+    one, on consecutive rows as in ``pair_batch`` (so the reference's remembered log-probs of a
+    pair serve both losses), each with only its last answer marked."""
+    batch = collate([_last_answer(s)[1] for p in pairs for s in (p.chosen, p.rejected)], pad_id)
+    batch["desirable"] = torch.tensor([True, False] * len(pairs))
+    return batch
+
+
+def kto_kl_rows(pairs: list[PairExample], pad_id: int, max_len: int) -> dict[str, torch.Tensor]:
+    """KTO's mismatched rows, for its KL reference point: each row of ``kto_batch`` with its prompt
+    followed by the answer of the same kind (chosen, rejected) of the previous pair, cyclically.
+
+    This is TRL's construction: ``KTOTrainer`` unpairs pairs into [chosen..., rejected...] and gives
+    each example the previous example's answer; on a step's pairs both give the same set of rows
+    (prompt i with chosen and rejected answer i - 1), and every answer is used once. Cycling rows
+    by one here would give a rejected answer's prompt its own chosen answer, a matched pair. A row
+    longer than ``max_len`` (a long prompt before a long answer) is cut, as TRL cuts it."""
+    if len(pairs) < 2:
+        raise ValueError("KTO's KL rows need at least 2 pairs per batch (an answer to another prompt)")
+    rows = [_last_answer(s) for p in pairs for s in (p.chosen, p.rejected)]
+    spliced = []
+    for i, (start, seq) in enumerate(rows):
+        other_start, other = rows[(i - 2) % len(rows)]
+        tokens = seq.tokens[:start] + other.tokens[other_start:]
+        completion = (0,) * start + other.completion[other_start:]
+        spliced.append(TokenSeq(tokens[:max_len], completion[:max_len]))
+    return collate(spliced, pad_id)
+
+
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     """The examples of optimizer step ``step`` (from 0): each epoch a fresh permutation of all
     ``n`` (seeded by ``seed`` and the epoch), cut into ``n // batch_size`` batches (the remainder

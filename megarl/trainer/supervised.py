@@ -17,14 +17,34 @@ import torch
 
 from megarl.algorithms.bradley_terry import bradley_terry_loss
 from megarl.algorithms.dpo import PairLogprobs, dpo_loss
+from megarl.algorithms.kto import kl_reference_point, kto_loss
 from megarl.config.supervised import SupervisedConfig
-from megarl.data.supervised import PairExample, SftExample, batch_indices, collate, load_examples, pair_batch
+from megarl.data.supervised import (
+    PairExample,
+    SftExample,
+    batch_indices,
+    collate,
+    kto_batch,
+    kto_kl_rows,
+    load_examples,
+    pair_batch,
+)
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import MegatronRole
 from megarl.workers import preference_fns, rl_fns
 
 UPDATES = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_model, "dpo": preference_fns.train_dpo}
+
+
+def is_kto(cfg: SupervisedConfig) -> bool:
+    """``megarl dpo`` with ``dpo.loss_type: kto``: each pair is two unpaired examples, the chosen
+    answer desirable and the rejected one undesirable (``megarl.algorithms.kto``)."""
+    return cfg.stage == "dpo" and cfg.dpo.loss_type == "kto"
+
+
+def update_fn(cfg: SupervisedConfig):
+    return preference_fns.train_kto if is_kto(cfg) else UPDATES[cfg.stage]
 
 
 @dataclass
@@ -65,10 +85,14 @@ def rows_per_example(cfg: SupervisedConfig) -> int:
 
 
 def make_batch(cfg: SupervisedConfig, examples: list, pad_id: int) -> dict[str, Any]:
-    """The rank batch of ``examples`` with the step's normaliser (completion tokens, or pairs)."""
+    """The rank batch of ``examples`` with the step's normaliser (completion tokens, pairs, or
+    KTO's answers: two unpaired rows per pair)."""
     if cfg.stage == "sft":
         batch = collate([e.seq for e in examples], pad_id)
         batch["denoms"] = [float(batch["mask"].sum())]
+    elif is_kto(cfg):  # KTO's loss is a mean over answers, two per pair
+        batch = kto_batch(examples, pad_id)
+        batch["denoms"] = [float(2 * len(examples))]
     else:
         batch = pair_batch(examples, pad_id)
         batch["denoms"] = [float(len(examples))]
@@ -142,10 +166,22 @@ class SupervisedRun:
         batch = make_batch(self.cfg, examples, self.data.pad_id)
         if self.cfg.stage == "dpo":
             batch["ref_logprobs"] = self._reference_logprobs(examples, batch)
-        metrics, _ = self.roles["model"].train(UPDATES[self.cfg.stage], batch,
+        if is_kto(self.cfg):
+            batch["kto_kl"] = self._kto_reference_point(examples)
+        metrics, _ = self.roles["model"].train(update_fn(self.cfg), batch,
                                                self.cfg.dpo if self.cfg.stage == "dpo" else None)
         metrics["data/completion_tokens"] = float(batch["mask"].sum())
         return metrics
+
+    def _kto_reference_point(self, pairs: list[PairExample]) -> float:
+        """KTO's KL estimate ``z`` for a batch of ``pairs``: the policy's (before the step) and the
+        reference's log-probs of the mismatched rows (``kto_kl_rows``). The whole batch's rows are
+        needed before any micro-batch's loss, hence its own forward passes first (TRL's too)."""
+        rows = kto_kl_rows(pairs, self.data.pad_id, self.cfg.data.max_len)
+        mask = rows["mask"]
+        policy = (self._logprobs("model", rows) * mask).sum(1)
+        ref = (self._logprobs("reference", rows) * mask).sum(1)
+        return kl_reference_point(policy, ref)
 
     def _logprobs(self, role: str, batch: dict[str, Any]) -> torch.Tensor:
         r = self.roles[role]
@@ -191,12 +227,14 @@ class SupervisedRun:
         return [self.data.eval[i:i + size] for i in range(0, n, size)]
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out measure: SFT the completion tokens' mean NLL; RM and DPO the loss and the
-        fraction of pairs ranked right (``eval/heldout/accuracy``)."""
+        """The held-out measure: SFT the completion tokens' mean NLL; RM and DPO the loss (KTO's per
+        answer, its reference point from each held-out batch's KL rows) and the fraction of pairs
+        ranked right (``eval/heldout/accuracy``; KTO: the chosen answer's log-ratio the higher)."""
         batches = self.eval_batches()
         if not batches:
             return {}
         totals = {"loss": 0.0, "accuracy": 0.0, "count": 0.0}
+        kl = 0.0  # KTO's reference point of the held-out batch
         for examples in batches:
             batch = make_batch(self.cfg, examples, self.data.pad_id)
             if self.cfg.stage == "sft":
@@ -215,9 +253,18 @@ class SupervisedRun:
                 mask = batch["mask"]
                 policy = (self._logprobs("model", batch) * mask).sum(1)
                 ref, tokens = (self._reference_logprobs(examples, batch) * mask).sum(1), mask.sum(1)
-                pairs = PairLogprobs(policy[0::2], policy[1::2], ref[0::2], ref[1::2], tokens[0::2], tokens[1::2])
-                loss, m = dpo_loss(pairs, self.cfg.dpo, denom=1.0)
-                totals["accuracy"] += float(m["dpo/accuracy"])
+                if is_kto(self.cfg):
+                    # a last batch of one pair has no other prompt's answers: the previous batch's z
+                    kl = self._kto_reference_point(examples) if n > 1 else kl
+                    # half of each pair's two losses: over the pairs, the held-out mean per answer
+                    loss, _ = kto_loss(policy, ref, batch["desirable"], kl, self.cfg.dpo, denom=2.0)
+                    ratio = policy - ref
+                    totals["accuracy"] += float((ratio[0::2] > ratio[1::2]).float().sum())
+                else:
+                    pairs = PairLogprobs(policy[0::2], policy[1::2], ref[0::2], ref[1::2], tokens[0::2],
+                                         tokens[1::2])
+                    loss, m = dpo_loss(pairs, self.cfg.dpo, denom=1.0)
+                    totals["accuracy"] += float(m["dpo/accuracy"])
             totals["loss"] += float(loss)
             totals["count"] += n
         out = {"eval/heldout/loss": totals["loss"] / totals["count"], "eval/heldout/examples": float(

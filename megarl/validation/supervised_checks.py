@@ -46,7 +46,11 @@ def _batch_errors(cfg: SupervisedConfig) -> list[str]:
     if role.max_tokens_per_microbatch is None and not role.pack_sequences and rows % per_step:
         errors.append(f"data.batch_size={cfg.data.batch_size} gives {rows} sequences per step, not a multiple of "
                       f"model.micro_batch_size x data-parallel ranks = {per_step}")
-    if pairs:
+    if cfg.stage == "dpo" and cfg.dpo.loss_type == "kto":  # unpaired rows: any micro-batching
+        if cfg.data.batch_size < 2:
+            errors.append("data.batch_size must be at least 2 for dpo.loss_type kto: its KL rows pair each prompt "
+                          "with another pair's answers")
+    elif pairs:
         if role.micro_batch_size % 2:
             errors.append(f"model.micro_batch_size={role.micro_batch_size} must be even: a pair's two answers share "
                           "a micro-batch")

@@ -9,7 +9,8 @@ over the label positions of completion (assistant) tokens, ``seq_lens`` [B], and
 step's global normaliser (completion tokens for SFT, pairs for RM and DPO). Preference batches
 hold each pair on consecutive rows, chosen first: row 2i is pair i's chosen answer, 2i+1 its
 rejected one, so a pair never straddles a micro-batch or a data-parallel shard (micro-batches are
-fixed, with an even ``micro_batch_size``).
+fixed, with an even ``micro_batch_size``). KTO's examples are unpaired: one row each, labelled
+by ``desirable`` [B].
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from megarl.algorithms.base import Metric
 from megarl.algorithms.bradley_terry import bradley_terry_loss
 from megarl.algorithms.dpo import PairLogprobs, dpo_loss
+from megarl.algorithms.kto import kto_loss
 from megarl.algorithms.sft import sft_loss
 from megarl.config.supervised import DpoConfig
 from megarl.workers import rl_fns
@@ -31,6 +33,8 @@ RM_METRICS = tuple(Metric(name, "sum") for name in ("rm_loss", "rm/accuracy", "r
                                                     "rm/rejected"))
 DPO_METRICS = tuple(Metric(name, "sum") for name in ("dpo_loss", "dpo/accuracy", "dpo/margin",
                                                      "dpo/reward_chosen", "dpo/reward_rejected"))
+KTO_METRICS = (Metric("kto_loss", "sum"), Metric("kto/kl", "same"), Metric("kto/reward_chosen", "sum"),
+               Metric("kto/reward_rejected", "sum"))
 
 
 def _check_pairs(key: str, batch: dict[str, Any], micro_batch_size: int, max_tokens: int | None,
@@ -112,3 +116,31 @@ def train_dpo(key: str, batch: dict[str, Any], algo: DpoConfig, optim: dict, mic
 
     return rl_fns._update(key, batch, optim, micro_batch_size, 1, 1, loss_fn, None, False, select=True,
                           metrics=DPO_METRICS)
+
+
+def train_kto(key: str, batch: dict[str, Any], algo: DpoConfig, optim: dict, micro_batch_size: int,
+              max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
+              share_prompt: bool = False):
+    """One optimizer step of the KTO loss (``megarl.algorithms.kto``) on unpaired rows: each row's
+    ``desirable`` flag [B], the reference's per-token log-probs ``ref_logprobs`` [B, L-1] (summed
+    here over ``mask``) and the step's reference point ``kto_kl`` (a number: the caller computes
+    it from the step's mismatched rows before the step, ``kl_reference_point``). Rows stand alone,
+    so any micro-batching works."""
+    from megarl.models.forward import rows_output
+
+    settings = algo
+    vocab = held(key).spec.arch.vocab_size
+    # every rank holds the whole batch: the step's count of desirable rows, for the reward metrics
+    plain = rl_fns._plain(batch)
+    desirable_count = float(torch.as_tensor(plain["desirable"]).bool().sum())
+    kl = float(plain["kto_kl"])
+
+    def loss_fn(output, mb):
+        lp = rl_fns._label_stats(rows_output(output, mb["inputs"]), mb, vocab)
+        mask = mb["mask"].to(lp.dtype)
+        policy, ref = (lp * mask).sum(1), (mb["ref_logprobs"] * mask).sum(1)
+        loss, out = kto_loss(policy, ref, mb["desirable"], kl, settings, mb["denom"], desirable_count)
+        return loss * mb["scale"], out
+
+    return rl_fns._update(key, batch, optim, micro_batch_size, 1, 1, loss_fn, max_tokens_per_microbatch,
+                          pack_sequences, select=True, metrics=KTO_METRICS)
