@@ -75,9 +75,12 @@ def test_bench_refit_moves_exactly_each_ranks_expert_bytes(moe):
     from megarl.bench.refit import RefitArgs, format_table, reference_bytes, run_refit
 
     model, _ = moe
-    result = run_refit(RefitArgs(model=str(model), train_ep=2, rollout_tp=2, bucket_mib=0.25, repeats=1),
-                       progress=lambda *a: None)
-    assert result["bytes_ratio"] == 1.0 and result["train_ep"] == 2
+    # the actor at tp 2 with each expert whole (etp 1) over ep 2: two ranks
+    result = run_refit(RefitArgs(model=str(model), train_tp=2, train_ep=2, train_etp=1, rollout_tp=2, bucket_mib=0.25,
+                                 repeats=1), progress=lambda *a: None)
+    assert result["bytes_ratio"] == 1.0 and (result["train_ep"], result["train_etp"]) == (2, 1)
+    # both ranks send: each its half of every attention matrix and its two experts whole
+    assert sorted(a["rank"] for a in result["actor_memory"]) == [0, 1]
     assert all(r["received_bytes"] == r["shard_bytes"] for r in result["ranks"])
     # by hand for this model: 2 layers x 4 experts of gate/up/down [32, 64] (fp32); m2n sends
     # each rank every expert whole, where its shard holds half of each

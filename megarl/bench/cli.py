@@ -21,6 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-tp", type=int, default=1)
     p.add_argument("--train-pp", type=int, default=1)
     p.add_argument("--train-ep", type=int, default=1, help="expert parallel size of the actor (MoE models)")
+    p.add_argument("--train-etp", type=int, default=None,
+                   help="expert tensor parallel size of the actor (MoE models; default --train-tp, 1: whole experts)")
     p.add_argument("--rollout-tp", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket cap in MiB (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs (median reported)")
@@ -55,7 +57,7 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
     from megarl.bench.refit import RefitArgs, dumps, format_table, memory_overruns, run_refit
 
     refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, train_ep=args.train_ep,
-                      rollout_tp=args.rollout_tp,
+                      train_etp=args.train_etp, rollout_tp=args.rollout_tp,
                       bucket_mib=args.bucket_mb, repeats=args.repeats, dtype=args.dtype,
                       baseline=not args.no_baseline)
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
@@ -69,9 +71,9 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
 
 # Options of the benchmarks that count or size something (lists: each entry); a zero divides or
 # starts an empty group of ranks, so they are refused before any rank starts.
-_AT_LEAST = {"train_tp": 1, "train_pp": 1, "train_ep": 1, "rollout_tp": 1, "repeats": 1, "steps": 1, "rounds": 1,
-             "threads": 1, "batch": 1, "seq": 1, "hidden": 1, "layers": 1, "heads": 1, "ffn": 1, "vocab": 1,
-             "seq_len": 1,
+_AT_LEAST = {"train_tp": 1, "train_pp": 1, "train_ep": 1, "train_etp": 1, "rollout_tp": 1, "repeats": 1, "steps": 1,
+             "rounds": 1, "threads": 1, "batch": 1, "seq": 1, "hidden": 1, "layers": 1, "heads": 1, "ffn": 1,
+             "vocab": 1, "seq_len": 1,
              "micro_batch": 1, "global_batch": 1, "vocab_pad_multiple": 1, "ranks": 1, "tp": 1, "warmup": 0,
              "staleness": 0, "prompts": 1}
 _POSITIVE = ("bucket_mb", "tolerance")

@@ -22,6 +22,7 @@ noisy machine slows both alike:
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class RefitArgs:
     train_tp: int = 1
     train_pp: int = 1
     train_ep: int = 1
+    train_etp: int | None = None  # None: train_tp
     rollout_tp: int = 1
     bucket_mib: float = 64.0
     repeats: int = 3
@@ -72,9 +74,15 @@ def check_args(args: RefitArgs):
 
 
 def _parallel(args: RefitArgs) -> ParallelConfig:
-    # the experts spread over ep ranks, which are data-parallel ranks of the dense layers
-    return ParallelConfig(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep,
-                          world_size=args.train_tp * args.train_pp * args.train_ep)
+    # the experts spread over ep ranks, which are data-parallel ranks of the dense layers (and, at
+    # etp < tp, tensor-parallel ones): the fewest ranks holding both layouts
+    return ParallelConfig(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, etp=args.train_etp,
+                          world_size=_world(args))
+
+
+def _world(args: RefitArgs) -> int:
+    etp = args.train_tp if args.train_etp is None else args.train_etp
+    return math.lcm(args.train_tp * args.train_pp, etp * args.train_ep * args.train_pp)
 
 
 def reference_bytes(arch, rollout_tp: int, element_size: int) -> dict[str, dict[int, int]]:
@@ -118,7 +126,7 @@ def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
     arch = check_args(args)
     model = str(resolve_model_path(args.model))
     ensure_ray()
-    world = args.train_tp * args.train_pp * args.train_ep
+    world = _world(args)
     progress(f"starting vLLM (tp={args.rollout_tp}) and the actor ({world} rank(s))...")
     engine = start_engine(model, tp=args.rollout_tp, dtype=args.dtype, max_model_len=256, max_num_seqs=4,
                           engine_class=ReferenceTransferEngine)
@@ -174,7 +182,7 @@ def _result(args: RefitArgs, arch, plan, reports, raw, baseline) -> dict[str, An
     result = {
         "model": args.model, "params": arch.num_parameters(), "dtype": args.dtype,
         "train_tp": args.train_tp, "train_pp": args.train_pp, "train_ep": args.train_ep,
-        "rollout_tp": args.rollout_tp,
+        "train_etp": args.train_etp, "rollout_tp": args.rollout_tp,
         "bucket_bytes": last.bucket_bytes, "repeats": args.repeats,
         "bytes_ratio": max(r["bytes_ratio"] for r in ranks),
         "sync_seconds": sync_s, "raw_seconds": raw_s, "time_ratio": sync_s / raw_s,
@@ -218,7 +226,8 @@ def memory_overruns(result: dict[str, Any]) -> list[str]:
 def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"megarl bench refit: {result['model']} ({result['params'] / 1e6:.1f}M params, {result['dtype']}), "
-        f"actor tp={result['train_tp']} pp={result['train_pp']} ep={result['train_ep']} -> "
+        f"actor tp={result['train_tp']} pp={result['train_pp']} ep={result['train_ep']}"
+        f"{'' if result.get('train_etp') is None else ' etp=' + str(result['train_etp'])} -> "
         f"vLLM tp={result['rollout_tp']}, "
         f"bucket {_human(result['bucket_bytes'])}, median of {result['repeats']}",
         f"{'rollout rank':>12} | {'received':>11} | {'its shard':>11} | {'received/shard':>14} | "
