@@ -431,29 +431,26 @@ def _wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str
 
 
 # (the process to kill: a vLLM process of engine 0 or the driver itself; the step and phase to kill
-# it in; the phases the failure may name; how many steps the same command then resumes to, compared
-# with the straight run; extra overrides). The engine's death while rollout runs ahead is
-# test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once.
+# it in; the phases the failure may name). The engine's death while rollout runs ahead is
+# test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once. Resuming after a death
+# is that test's and test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run's.
 DEATHS = {
-    "core-during-generate": ("VLLM::EngineCore", 3, "rollout", ("rollout",), 4, []),
-    "worker-during-weight-sync": ("VLLM::Worker", 3, "weight_sync", ("weight_sync",), 0, []),
-    "sigterm-of-the-driver": ("driver", 3, "rollout", (), 3, []),
+    "core-during-generate": ("VLLM::EngineCore", 2, "rollout", ("rollout",)),
+    "worker-during-weight-sync": ("VLLM::Worker", 2, "weight_sync", ("weight_sync",)),
+    "sigterm-of-the-driver": ("driver", 2, "rollout", ()),
 }
 
 
 @pytest.mark.parametrize("case", list(DEATHS))
-def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_url, straight, tmp_path):
+def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_url, tmp_path):
     """kill -9 of vLLM's engine core or its worker, while the engine generates or receives weights
     (while it generates ahead: the opportunistic test above): the run ends within 60 s with one
     line naming the rollout engine, the process and the phase. SIGTERM of the driver (scancel,
-    kill, Ctrl-C alike) ends it too. Either way every process the run started is gone within 30 s,
-    and the same command resumes from the last checkpoint, repeating the straight run."""
-    from megarl.trainer.loop import train
-
-    victim, step, phase, named_phases, resume_to, extra = DEATHS[case]
+    kill, Ctrl-C alike) ends it too. Either way every process the run started is gone within 30 s."""
+    victim, step, phase, named_phases = DEATHS[case]
     run_dir = tmp_path / "run"
     marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
-    overrides = [*grpo_overrides(policy, reward_url, run_dir, steps=40), *extra]
+    overrides = grpo_overrides(policy, reward_url, run_dir, steps=40)
     if phase == "weight_sync":  # 64 KiB buckets: the sync of the 26 MiB model lasts long enough to hit
         overrides.append("trainer.bucket_mib=0.0625")
     with _cli_run(overrides, env=dict([marker.split("=")])) as proc:
@@ -478,9 +475,3 @@ def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_ur
     while (left := _marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, f"left running 30 s after the run ended: {left}"
-
-    if resume_to:  # the same command again resumes from step 2's checkpoint and repeats the straight run
-        resumed = train(_config(grpo_overrides(policy, reward_url, run_dir, steps=resume_to)))
-        assert [h["step"] for h in _read_metrics(run_dir)] == list(range(1, resume_to + 1))
-        # the straight run evaluated at its own last step, 4, not at resume_to
-        assert _comparable(resumed, "eval/") == _comparable(straight, "eval/")[:resume_to]
