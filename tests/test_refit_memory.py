@@ -48,8 +48,8 @@ def test_bench_exits_nonzero_naming_the_rank_over_its_limit(rollout_peak, actor_
     from megarl.bench import cli, refit
 
     monkeypatch.setattr(refit, "run_refit", lambda args, progress=print: _result(rollout_peak, actor_peak))
-    args = argparse.Namespace(model="m", train_tp=1, train_pp=3, train_ep=1, rollout_tp=3, bucket_mb=64.0, repeats=1,
-                              dtype="float32", no_baseline=True, json=False)
+    args = argparse.Namespace(model="m", train_tp=1, train_pp=3, train_ep=1, train_etp=None, rollout_tp=3,
+                              bucket_mb=64.0, repeats=1, dtype="float32", no_baseline=True, json=False)
     assert cli.run_refit_cmd(args) == code
     out, err = capsys.readouterr()
     if rollout_peak > 100 * 2**20:
