@@ -113,6 +113,20 @@ def with_smollm2_tokenizer(model_dir: Path, smollm2: Path) -> Path:
     return model_dir
 
 
+def moved_copy(source: Path, path: Path, smollm2: Path, seed: int = 5, scale: float = 0.02) -> Path:
+    """``source``'s model with every weight moved by seeded noise, saved at ``path`` with SmolLM2's
+    tokenizer: a second model whose log-probs differ from the first's (a DPO/KTO reference)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * scale)
+    model.save_pretrained(path)
+    return with_smollm2_tokenizer(path, smollm2)
+
+
 def build_tiny_policy(path: Path, smollm2: Path) -> Path:
     """A 2-layer Llama with SmolLM2's tokenizer, so prompts, decoding and rewards are real;
     hidden 128 over 4 heads gives head_dim 32, the smallest vLLM's CPU attention takes."""

@@ -9,7 +9,7 @@ import math
 import pytest
 import rank_jobs
 import torch
-from conftest import build_tiny_policy, with_smollm2_tokenizer
+from conftest import build_tiny_policy, moved_copy, with_smollm2_tokenizer
 
 from megarl.algorithms.bradley_terry import bradley_terry_loss
 from megarl.algorithms.dpo import PairLogprobs, dpo_loss
@@ -55,16 +55,7 @@ def policy_dir(tmp_path_factory, smollm2):
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory, smollm2, policy_dir):
     """The policy with its weights moved: a reference that differs, so DPO's log-ratios are not 0."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.02)
-    path = tmp_path_factory.mktemp("pref") / "reference"
-    model.save_pretrained(path)
-    return with_smollm2_tokenizer(path, smollm2)
+    return moved_copy(policy_dir, tmp_path_factory.mktemp("pref") / "reference", smollm2)
 
 
 def _trl_args(cls, tmp_path, **kwargs):

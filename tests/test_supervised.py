@@ -274,17 +274,9 @@ def test_kto_rows_and_their_kl_rows(smollm2):
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory, smollm2, policy) -> Path:
     """The tiny policy with its weights moved: a model whose log-probs differ from the policy's."""
-    import transformers
-    from conftest import with_smollm2_tokenizer
+    from conftest import moved_copy
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.02)
-    path = tmp_path_factory.mktemp("sup") / "moved"
-    model.save_pretrained(path)
-    return with_smollm2_tokenizer(path, smollm2)
+    return moved_copy(policy, tmp_path_factory.mktemp("sup") / "moved", smollm2)
 
 
 def _summed_logprobs(model_dir: Path, rows: dict) -> torch.Tensor:
