@@ -22,7 +22,6 @@ noisy machine slows both alike:
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -74,15 +73,9 @@ def check_args(args: RefitArgs):
 
 
 def _parallel(args: RefitArgs) -> ParallelConfig:
-    # the experts spread over ep ranks, which are data-parallel ranks of the dense layers (and, at
-    # etp < tp, tensor-parallel ones): the fewest ranks holding both layouts
-    return ParallelConfig(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, etp=args.train_etp,
-                          world_size=_world(args))
-
-
-def _world(args: RefitArgs) -> int:
-    etp = args.train_tp if args.train_etp is None else args.train_etp
-    return math.lcm(args.train_tp * args.train_pp, etp * args.train_ep * args.train_pp)
+    par = ParallelConfig(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, etp=args.train_etp)
+    par.world_size = par.fewest_ranks
+    return par
 
 
 def reference_bytes(arch, rollout_tp: int, element_size: int) -> dict[str, dict[int, int]]:
@@ -126,7 +119,7 @@ def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
     arch = check_args(args)
     model = str(resolve_model_path(args.model))
     ensure_ray()
-    world = _world(args)
+    world = _parallel(args).ranks
     progress(f"starting vLLM (tp={args.rollout_tp}) and the actor ({world} rank(s))...")
     engine = start_engine(model, tp=args.rollout_tp, dtype=args.dtype, max_model_len=256, max_num_seqs=4,
                           engine_class=ReferenceTransferEngine)

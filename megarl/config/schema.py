@@ -7,6 +7,7 @@ process starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -41,6 +42,13 @@ class ParallelConfig:
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def fewest_ranks(self) -> int:
+        """The fewest ranks that hold one copy of the model: the dense layout (tp*pp*cp) and etp*ep
+        expert shards per pipeline stage (experts spread over data-parallel ranks and, at etp < tp,
+        tensor-parallel ones). A size below 1 counts as 1 here; validation names it."""
+        return math.lcm(self.model_parallel_size, max(1, self.expert_tp) * max(1, self.ep) * self.pp)
 
     @property
     def ranks(self) -> int:

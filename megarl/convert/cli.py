@@ -8,7 +8,6 @@ temporary directory and renamed into place when complete.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -93,9 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _parallel(args: argparse.Namespace) -> ParallelConfig:
     par = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
-    # Experts are split over the data-parallel ranks (and, at etp < tp, the tensor-parallel ones):
-    # the fewest ranks that hold both the dense layout and etp * ep expert shards per stage.
-    par.world_size = math.lcm(par.model_parallel_size, max(1, par.expert_tp) * max(1, par.ep) * par.pp)
+    par.world_size = par.fewest_ranks
     return par
 
 
