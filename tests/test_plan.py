@@ -127,7 +127,8 @@ def test_rollout_ahead_overlaps_generation_with_training():
 def test_qwen3_moe_architectures_count_the_published_parameters_and_plan_with_expert_parallelism(
         name, total_b, active_b, gpus):
     """Qwen's model cards: 30.5B total / 3.3B activated, 235B / 22B. The planner fits each on its
-    H100s with the actor's experts split over expert-parallel ranks."""
+    H100s with the actor's experts split over expert-parallel ranks: on 8 GPUs because an expert
+    of 30B at ep = 1 sees too few rows to keep its GEMMs compute-bound, on 64 because they must."""
     from megarl.models.arch import family_of
 
     arch = load_arch(name)
@@ -141,11 +142,36 @@ def test_qwen3_moe_architectures_count_the_published_parameters_and_plan_with_ex
     p = plan(arch, gpus, PlanInputs(gpu_spec("h100-80gb")))
     actor = p.roles["actor"]
     assert p.fits
+    assert actor.layout.ep > 1, actor.layout
     if name == "qwen3-235b-a22b":
-        # the experts do not fit unsplit: attention over tp=4, each expert whole (etp=1) over ep ranks
-        assert actor.layout.ep > 1 and actor.layout.etp == 1, actor.layout
-    # (30B on 8 colocated with its reference: ep=1 over pp=8 with half the optimizer offloaded is
-    # 4.5% faster in the model than the best ep > 1 layout, whose all-to-all costs more than offload)
+        # attention over tp, each expert whole (etp=1) over the ep ranks
+        assert actor.layout.etp == 1, actor.layout
+
+
+def test_expert_gemm_efficiency_by_hand():
+    """The roofline of one rank's expert GEMMs (Qwen3-30B-A3B: hidden 2048, expert 768, 128 experts,
+    top 8; H100 989 TFLOPS, 3350 GB/s at 70%). At ep = 1 a 3072-token micro-batch gives each
+    expert 192 rows: reading the weights takes longer than multiplying them. At ep = 8 the rows of
+    8 ranks meet at each expert (1536): compute-bound."""
+    from megarl.plan.hardware import Efficiency
+    from megarl.plan.steptime import expert_gemm_efficiency
+
+    arch = load_arch("qwen3-30b-a3b")
+    gpu, eff = gpu_spec("h100-80gb"), Efficiency()
+    flops, hbm = 989e12, 3350e9 * 0.7
+
+    def roofline(rows: int) -> float:
+        compute = (2 * rows * 2048 * 1536 + 2 * rows * 768 * 2048) / flops
+        memory = 2 * ((rows * 2048 + 2048 * 1536 + rows * 1536) + (rows * 768 + 768 * 2048 + rows * 2048)) / hbm
+        return compute / max(compute, memory)
+
+    assert expert_gemm_efficiency(arch, Layout(pp=8), 3072, gpu, eff) == pytest.approx(roofline(192))
+    assert roofline(192) < 0.4
+    assert expert_gemm_efficiency(arch, Layout(dp=8, ep=8), 3072, gpu, eff) == 1.0 == roofline(1536)
+    # sequence parallelism over tp=2 halves a rank's tokens; etp = tp gathers them back
+    assert expert_gemm_efficiency(arch, Layout(tp=2, dp=4, ep=4, etp=1), 3072, gpu, eff) == pytest.approx(
+        roofline(384))
+    assert expert_gemm_efficiency(load_arch("llama3.1-8b"), Layout(), 3072, gpu, eff) == 1.0
 
 
 def test_moe_token_exchange_by_hand():

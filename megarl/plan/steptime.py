@@ -187,6 +187,10 @@ def training_s(arch: ModelArch, layout: Layout, micro_batch: int, cost: TrainCos
     per_token = forward_flops_per_token(arch, rl.mean_seq_len / 2)
     if cost.recompute == "selective":
         passes += 2 * arch.num_layers * arch.num_heads * arch.head_dim * rl.mean_seq_len / 2 / per_token
+    # the routed experts' GEMMs run at their roofline share: few rows per expert make them read
+    # weights more than they multiply (expert_gemm_efficiency)
+    routed = routed_flops_per_token(arch)
+    per_token += routed * (1 / expert_gemm_efficiency(arch, layout, micro_batch * rl.mean_seq_len, gpu, eff) - 1)
     compute = passes * tokens * per_token / (layout.gpus * gpu.bf16_tflops * 1e12 * megatron_mfu(arch, eff.train_mfu,
                                                                                                  eff))
     microbatches = max(1, rl.sequences // (layout.dp * rl.minibatches * micro_batch))
@@ -225,6 +229,37 @@ def expert_params(arch: ModelArch) -> float:
         return 0.0
     _, experts = layer_tensors(arch, 1, 1)
     return float(sum(experts) * arch.num_layers)
+
+
+def routed_flops_per_token(arch: ModelArch) -> float:
+    """Forward FLOPs of the top-k routed experts' weights per token (0 for a dense model)."""
+    if not arch.is_moe:
+        return 0.0
+    return 2 * expert_params(arch) / arch.num_experts * (arch.moe_topk or 1)
+
+
+def expert_gemm_efficiency(arch: ModelArch, layout: Layout, micro_batch_tokens: float, gpu: GpuSpec,
+                           eff: Efficiency) -> float:
+    """The share of tensor-core speed one rank's expert GEMMs reach, by the roofline.
+
+    A micro-batch's tokens on a rank (its sequence-parallel shard) join those of the other
+    ranks of its expert group (ep * etp of them) and split over the experts, top-k each: each
+    expert's fc1 ``[rows, H] x [H, 2I/etp]`` and fc2 ``[rows, I/etp] x [I/etp, H]`` reads its
+    whole weight for ``rows`` rows. Below ~peak FLOPs / HBM bytes rows (~420 on an H100 at 70%
+    of its HBM) that read, not the multiply, sets the time. This is why expert parallelism pays
+    on few GPUs: at ep = 1 each of a layer's 128 experts sees a sixteenth of a top-8 micro-batch,
+    at ep = 8 half of it. 1 for a dense model."""
+    if not arch.is_moe:
+        return 1.0
+    hidden, etp = arch.hidden_size, layout.expert_tp
+    inter = expert_params(arch) / arch.num_layers / arch.num_experts / (3 * hidden) / etp
+    rows = (micro_batch_tokens / (layout.tp * layout.cp) * layout.ep * etp * (arch.moe_topk or 1)
+            / arch.num_experts)
+    compute = memory = 0.0
+    for k, n in ((hidden, 2 * inter), (inter, hidden)):
+        compute += 2 * rows * k * n / (gpu.bf16_tflops * 1e12)
+        memory += 2 * (rows * k + k * n + rows * n) / (gpu.hbm_gbps * 1e9 * eff.hbm_efficiency)
+    return compute / max(compute, memory)
 
 
 def moe_token_exchange_s(arch: ModelArch, layout: Layout, tokens: float, gpu: GpuSpec, eff: Efficiency) -> float:
