@@ -4,6 +4,7 @@ batch, as TRL's own collator builds it, fp32, at tp1 and tp2 x pp2; plus the los
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -174,6 +175,50 @@ def test_kto_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, layout)
         got, want = ours[f"kto/reward_{name}"], trl_metrics[f"rewards/{name}"]
         assert got == pytest.approx(want, abs=2e-5), (name, ours, trl_metrics)
     assert ours["grad_norm"] > 0
+
+
+def test_unpaired_kto_rows_equal_trl(tmp_path, policy_dir):
+    """TRL's unpaired records (conversational ``prompt`` / ``completion`` and a ``label``): megarl's
+    KTO rows and KL rows (each prompt with the previous example's answer, cyclically) are the
+    token rows, completion marks and labels of TRL's ``KTOTrainer`` batch. One documented
+    difference: megarl ends an answer at the template's end-of-turn token, TRL keeps (and
+    trains on) the newline the template writes after it."""
+    import transformers
+    from datasets import Dataset
+
+    from megarl.data.supervised import kto_batch, kto_example, kto_kl_rows
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(policy_dir)
+    records = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                "completion": [{"role": "assistant", "content": f"{a + b + i % 2}"}], "label": i % 2 == 0}
+               for i, (a, b) in enumerate([*SUMS, (2, 2), (4, 1)])]
+    model = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    args = _trl_args(trl.KTOConfig, tmp_path)
+    args.per_device_train_batch_size = len(records)
+    trainer = trl.KTOTrainer(model=model, ref_model=copy.deepcopy(model), processing_class=tokenizer, args=args,
+                             train_dataset=Dataset.from_list(records))
+    batch = next(iter(trainer.get_train_dataloader()))
+    newline = tokenizer.encode("\n")
+
+    def trl_rows(prefix: str) -> list[tuple[list[int], list[int]]]:
+        out = []
+        for ids, attention, completion in zip(batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"],
+                                              batch[f"{prefix}completion_mask"], strict=True):
+            keep = attention.bool()
+            ids, completion = ids[keep].tolist(), completion[keep].tolist()
+            assert ids[-len(newline):] == newline  # the template's newline after its end of turn
+            out.append((ids[:-len(newline)], completion[:-len(newline)]))
+        return out
+
+    def our_rows(rows: dict) -> list[tuple[list[int], list[int]]]:
+        return [(rows["tokens"][i, :n].tolist(), [0, *rows["mask"][i, :n - 1].long().tolist()])
+                for i, n in enumerate(rows["seq_lens"].tolist())]
+
+    examples = [kto_example(r, tokenizer, f"record {i}", max_len=128) for i, r in enumerate(records)]
+    ours = kto_batch(examples, pad_id=0)
+    assert ours["desirable"].tolist() == batch["label"].tolist() == [True, False] * 3
+    assert our_rows(ours) == trl_rows("")
+    assert our_rows(kto_kl_rows(examples, pad_id=0, max_len=128)) == trl_rows("KL_")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])

@@ -133,10 +133,16 @@ def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_meas
     ("sft", {"messages": [{"role": "user", "content": "hi"}]}, "bad.jsonl:3: the conversation has no assistant"),
     ("sft", {"prompt": "hi", "response": 4}, "bad.jsonl:3: 'response' is missing or not a non-empty text"),
     ("rm", {"prompt": "2+2?", "chosen": "4", "rejected": "5", "margin": "big"}, "bad.jsonl:3: 'margin' must be"),
+    ("dpo", {"prompt": "2+2?", "completion": "4", "label": "yes"}, "bad.jsonl:3: 'label' must be true"),
+    ("dpo", {"prompt": "2+2?", "chosen": "4", "rejected": "5"}, "bad.jsonl:3: an unpaired record ({prompt, "),
+    ("dpo", None, "data.train: unpaired records ({prompt, completion, label}) train with `megarl dpo` and "
+                  "dpo.loss_type: kto, not dpo loss_type sigmoid"),
 ])
 def test_bad_records_are_refused_before_any_process_starts(tmp_path, policy, capsys, stage, record, message):
     good = _pair_records(2) if stage != "sft" else _sft_records(2)
-    data = _write_jsonl(tmp_path / "bad.jsonl", [*good, record])
+    if "unpaired" in message or "label" in message:  # a file of unpaired (KTO) records
+        good = _unpaired_records(1)
+    data = _write_jsonl(tmp_path / "bad.jsonl", [*good, record] if record else _unpaired_records(6))
     assert main([stage, str(_recipe(tmp_path, "bad", policy, data))]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
@@ -291,29 +297,43 @@ def _summed_logprobs(model_dir: Path, rows: dict) -> torch.Tensor:
     return (lp * rows["mask"]).sum(1)
 
 
-def test_kto_learns_with_its_kl_reference_point(tmp_path, policy, moved, capsys):
+def _unpaired_records(n: int) -> list[dict]:
+    """TRL's unpaired records: each pair's chosen answer desirable, its rejected one not."""
+    return [{"prompt": r["prompt"], "completion": r[key], "label": key == "chosen"}
+            for r in _pair_records(n) for key in ("chosen", "rejected")]
+
+
+@pytest.mark.parametrize("records", ["pairs", "unpaired"])
+def test_kto_learns_with_its_kl_reference_point(tmp_path, policy, moved, capsys, records):
     """``megarl dpo`` with ``dpo.loss_type: kto`` (its loss equals TRL's KTOTrainer's,
-    ``tests/test_preference.py``), training the moved model against the tiny policy: the first
-    step's KL reference point is transformers' mean log-ratio of that step's KL rows, and the
-    held-out loss falls. (Resume is the DPO loop's, tested above.)"""
+    ``tests/test_preference.py``), on pairs and on unpaired records, training the moved model
+    against the tiny policy: the first step's KL reference point is transformers' mean log-ratio
+    of that step's KL rows, and the held-out loss falls. (Resume is the DPO loop's, tested above.)"""
     import transformers
 
     from megarl.data.supervised import batch_indices, kto_kl_rows, load_examples
 
-    data = _write_jsonl(tmp_path / "train.jsonl", _pair_records(12))
-    recipe = _recipe(tmp_path, "kto", moved, data, dpo="{loss_type: kto, beta: 0.5, undesirable_weight: 1.2}",
-                     reference=f"{{model: {{path: \"{policy}\"}}, parallel: {{tp: 1, world_size: 1}}, "
+    rows = _pair_records(12) if records == "pairs" else _unpaired_records(12)
+    # which way round gives these rows a positive mean log-ratio, so that the reference point is
+    # not clamped to 0 and counts
+    trained, reference = (moved, policy) if records == "pairs" else (policy, moved)
+    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    recipe = _recipe(tmp_path, "kto", trained, data, dpo="{loss_type: kto, beta: 0.5, undesirable_weight: 1.2}",
+                     reference=f"{{model: {{path: \"{reference}\"}}, parallel: {{tp: 1, world_size: 1}}, "
                                "micro_batch_size: 4}")
     assert main(["dpo", str(recipe), "trainer.checkpoint_every=0"]) == 0  # one checkpoint: quicker
     history = _history(tmp_path / "kto")
     assert [h["step"] for h in history] == [0, 1, 2, 3]
     assert history[-1]["eval/heldout/loss"] < history[0]["eval/heldout/loss"], history
     assert all("model/kto/reward_chosen" in h for h in history[1:]), history
-    # step 1's pairs (the first 8 records train, the last 4 are held out) and their KL rows
-    train = load_examples(str(data), "dpo", transformers.AutoTokenizer.from_pretrained(policy), max_len=128)[:8]
-    rows = kto_kl_rows([train[i] for i in batch_indices(8, 4, 0, 0)], pad_id=2, max_len=128)
-    z = float((_summed_logprobs(moved, rows) - _summed_logprobs(policy, rows)).mean())
+    assert ("eval/heldout/accuracy" in history[0]) == (records == "pairs")  # unpaired: no pairs to rank
+    # step 1's examples (the last 4 are held out) and their KL rows
+    train = load_examples(str(data), "dpo", transformers.AutoTokenizer.from_pretrained(policy), max_len=128)[:-4]
+    kl_rows = kto_kl_rows([train[i] for i in batch_indices(len(train), 4, 0, 0)], pad_id=2, max_len=128)
+    z = float((_summed_logprobs(trained, kl_rows) - _summed_logprobs(reference, kl_rows)).mean())
     assert z > 0.1 and history[1]["model/kto/kl"] == pytest.approx(z, abs=1e-4), (z, history[1])
+    if records == "unpaired":
+        return
     capsys.readouterr()
     assert main(["dpo", str(recipe), "dpo.precompute_reference=true", "data.batch_size=1",
                  "model.micro_batch_size=2"]) == 2

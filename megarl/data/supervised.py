@@ -12,7 +12,11 @@ Records (JSON Lines, one per line, Parquet rows, or a Hugging Face dataset's row
   answer is, for the reward model's margin loss). TRL's conversational pairs are read too:
   ``chosen`` / ``rejected`` as one assistant message after a ``prompt`` of messages, or as whole
   conversations that differ only in their last (assistant) message, their shared start the
-  prompt (as in UltraFeedback-binarized).
+  prompt (as in UltraFeedback-binarized);
+- unpaired answers (KTO, ``dpo.loss_type: kto``): ``{"prompt": text or messages, "completion":
+  text or [one assistant message], "label": true | false}`` (TRL's unpaired preference records: a
+  desirable answer, or an undesirable one), optional ``system``. KTO also reads pairs, as a
+  desirable and an undesirable answer to the same prompt.
 
 Assistant spans come from rendering the conversation's prefixes: the tokens of a prefix ending
 in an assistant message minus those of the same prefix ending at the assistant header. A chat
@@ -54,6 +58,15 @@ class PairExample:
     rejected: TokenSeq
     where: str
     margin: float | None = None
+
+
+@dataclass(frozen=True)
+class KtoExample:
+    """An unpaired answer for KTO: desirable or not."""
+
+    seq: TokenSeq
+    desirable: bool
+    where: str
 
 
 def _messages(value: Any, where: str, field: str) -> list[dict[str, str]]:
@@ -153,6 +166,29 @@ def pair_example(record: Any, tokenizer: Any, where: str, max_len: int) -> PairE
                                     max_len), where, None if margin is None else float(margin))
 
 
+def kto_example(record: Any, tokenizer: Any, where: str, max_len: int) -> KtoExample:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object")
+    label = record.get("label")
+    if not isinstance(label, bool):
+        raise DataError(f"{where}: 'label' must be true (a desirable answer) or false (an undesirable one)")
+    if isinstance(record.get("completion"), list):
+        answer = _messages(record["completion"], where, "completion")
+        if len(answer) != 1 or answer[0]["role"] != "assistant":
+            raise DataError(f"{where}: 'completion' must be one assistant message (or a text)")
+        text = answer[0]["content"]
+    else:
+        text = _text(record, "completion", where)
+    context = _pair_context(record, where)
+    return KtoExample(conversation(tokenizer, [*context, {"role": "assistant", "content": text}], where, max_len),
+                      label, where)
+
+
+def is_unpaired(record: Any) -> bool:
+    """A KTO record (an answer with its ``label``) rather than a preference pair."""
+    return isinstance(record, dict) and "chosen" not in record and ("label" in record or "completion" in record)
+
+
 def _pair_context(record: dict, where: str) -> list[dict[str, str]]:
     """The conversation a pair's answers reply to: ``messages``, a ``prompt`` of messages, or a text prompt."""
     for key in ("messages", "prompt"):
@@ -209,9 +245,11 @@ def generated_records(source: str, stage: str, size: int, seed: int, instruction
 
 
 def load_examples(source: str, stage: str, tokenizer: Any, max_len: int, size: int = 0, seed: int = 0,
-                  instruction: str = "", task_config: dict | None = None) -> list[SftExample] | list[PairExample]:
+                  instruction: str = "", task_config: dict | None = None
+                  ) -> list[SftExample] | list[PairExample] | list[KtoExample]:
     """Every record of ``source`` (a JSONL or Parquet file, ``hf:<dataset>[@split]`` or
-    ``reasoning_gym:<task>``) as the stage's examples."""
+    ``reasoning_gym:<task>``) as the stage's examples; a preference file's first record says
+    whether it holds pairs or unpaired (KTO) answers, and every record must be of that kind."""
     if source.startswith("reasoning_gym:"):
         records = generated_records(source, stage, size, seed, instruction, task_config or {})
     elif is_hf_source(source):
@@ -221,6 +259,12 @@ def load_examples(source: str, stage: str, tokenizer: Any, max_len: int, size: i
     else:
         records = list(jsonl_rows(source))
     make = sft_example if stage == "sft" else pair_example
+    if stage != "sft" and records and is_unpaired(records[0][1]):
+        make = kto_example
+        for where, record in records:
+            if isinstance(record, dict) and "chosen" in record:
+                raise DataError(f"{where}: an unpaired record ({{prompt, completion, label}}) is expected, as the "
+                                "file's first record is one")
     examples = [make(record, tokenizer, where, max_len) for where, record in records]
     if not examples:
         raise DataError(f"{source} has no records")
@@ -269,34 +313,55 @@ def _last_answer(seq: TokenSeq) -> tuple[int, TokenSeq]:
     return start, TokenSeq(seq.tokens, (0,) * start + seq.completion[start:])
 
 
-def kto_batch(pairs: list[PairExample], pad_id: int) -> dict[str, torch.Tensor]:
-    """KTO's unpaired rows of ``pairs``: each pair's chosen answer (``desirable``) and its rejected
-    one, on consecutive rows as in ``pair_batch`` (so the reference's remembered log-probs of a
-    pair serve both losses), each with only its last answer marked."""
-    batch = collate([_last_answer(s)[1] for p in pairs for s in (p.chosen, p.rejected)], pad_id)
-    batch["desirable"] = torch.tensor([True, False] * len(pairs))
+def _kto_answers(examples: list[PairExample] | list[KtoExample]) -> list[tuple[TokenSeq, bool]]:
+    """KTO's rows: an unpaired example's answer, or a pair's chosen (desirable) and rejected one."""
+    if examples and isinstance(examples[0], KtoExample):
+        return [(e.seq, e.desirable) for e in examples]
+    return [(seq, good) for p in examples for seq, good in ((p.chosen, True), (p.rejected, False))]
+
+
+def kto_batch(examples: list[PairExample] | list[KtoExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """KTO's unpaired rows, each with only its last answer marked and its ``desirable`` flag: an
+    unpaired example's row, or a pair's chosen and rejected answers on consecutive rows as in
+    ``pair_batch`` (so the reference's remembered log-probs of a pair serve both losses)."""
+    answers = _kto_answers(examples)
+    batch = collate([_last_answer(seq)[1] for seq, _ in answers], pad_id)
+    batch["desirable"] = torch.tensor([good for _, good in answers])
     return batch
 
 
-def kto_kl_rows(pairs: list[PairExample], pad_id: int, max_len: int) -> dict[str, torch.Tensor]:
+def kto_kl_rows(examples: list[PairExample] | list[KtoExample], pad_id: int, max_len: int) -> dict[str, torch.Tensor]:
     """KTO's mismatched rows, for its KL reference point: each row of ``kto_batch`` with its prompt
-    followed by the answer of the same kind (chosen, rejected) of the previous pair, cyclically.
+    followed by another row's answer, as TRL's ``KTOTrainer`` builds them (each example with the
+    previous example's answer, cyclically):
 
-    This is TRL's construction: ``KTOTrainer`` unpairs pairs into [chosen..., rejected...] and gives
-    each example the previous example's answer; on a step's pairs both give the same set of rows
-    (prompt i with chosen and rejected answer i - 1), and every answer is used once. Cycling rows
-    by one here would give a rejected answer's prompt its own chosen answer, a matched pair. A row
-    longer than ``max_len`` (a long prompt before a long answer) is cut, as TRL cuts it."""
-    if len(pairs) < 2:
-        raise ValueError("KTO's KL rows need at least 2 pairs per batch (an answer to another prompt)")
-    rows = [_last_answer(s) for p in pairs for s in (p.chosen, p.rejected)]
+    - unpaired examples: the previous example's answer;
+    - pairs: the answer of the same kind (chosen, rejected) of the previous pair. TRL unpairs pairs
+      into [chosen..., rejected...] before its offset; on a step's pairs both give the same set of
+      rows (prompt i with chosen and rejected answer i - 1), and every answer is used once. Cycling
+      the pairs' rows by one here would give a rejected answer's prompt its own chosen answer.
+
+    A row longer than ``max_len`` (a long prompt before a long answer) is cut, as TRL cuts it."""
+    unpaired = bool(examples) and isinstance(examples[0], KtoExample)
+    if len(examples) < 2:
+        raise ValueError(f"KTO's KL rows need at least 2 {'examples' if unpaired else 'pairs'} per batch "
+                         "(an answer to another prompt)")
+    rows = [_last_answer(seq) for seq, _ in _kto_answers(examples)]
+    back = 1 if unpaired else 2
     spliced = []
     for i, (start, seq) in enumerate(rows):
-        other_start, other = rows[(i - 2) % len(rows)]
+        other_start, other = rows[(i - back) % len(rows)]
         tokens = seq.tokens[:start] + other.tokens[other_start:]
         completion = (0,) * start + other.completion[other_start:]
         spliced.append(TokenSeq(tokens[:max_len], completion[:max_len]))
     return collate(spliced, pad_id)
+
+
+def example_seqs(example: SftExample | PairExample | KtoExample) -> tuple[TokenSeq, ...]:
+    """An example's rows in a batch, in order: a pair's chosen and rejected answers, else one."""
+    if isinstance(example, PairExample):
+        return (example.chosen, example.rejected)
+    return (example.seq,)
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:

@@ -20,10 +20,12 @@ from megarl.algorithms.dpo import PairLogprobs, dpo_loss
 from megarl.algorithms.kto import kl_reference_point, kto_loss
 from megarl.config.supervised import SupervisedConfig
 from megarl.data.supervised import (
+    KtoExample,
     PairExample,
     SftExample,
     batch_indices,
     collate,
+    example_seqs,
     kto_batch,
     kto_kl_rows,
     load_examples,
@@ -38,8 +40,8 @@ UPDATES = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_mo
 
 
 def is_kto(cfg: SupervisedConfig) -> bool:
-    """``megarl dpo`` with ``dpo.loss_type: kto``: each pair is two unpaired examples, the chosen
-    answer desirable and the rejected one undesirable (``megarl.algorithms.kto``)."""
+    """``megarl dpo`` with ``dpo.loss_type: kto`` (``megarl.algorithms.kto``): on unpaired answers,
+    or on pairs as two unpaired answers each, the chosen desirable and the rejected undesirable."""
     return cfg.stage == "dpo" and cfg.dpo.loss_type == "kto"
 
 
@@ -49,8 +51,8 @@ def update_fn(cfg: SupervisedConfig):
 
 @dataclass
 class StageData:
-    train: list[SftExample] | list[PairExample]
-    eval: list[SftExample] | list[PairExample]
+    train: list[SftExample] | list[PairExample] | list[KtoExample]
+    eval: list[SftExample] | list[PairExample] | list[KtoExample]
     pad_id: int
 
 
@@ -72,6 +74,17 @@ def load_stage_data(cfg: SupervisedConfig, tokenizer: Any) -> StageData:
     if len(train) < d.batch_size:
         raise DataError(f"data.train: {len(train)} training examples (after holding out {len(held_out)}) are fewer "
                         f"than data.batch_size={d.batch_size}")
+    for field, examples in (("data.train", train), ("data.eval", held_out)):
+        if examples and isinstance(examples[0], KtoExample) and not is_kto(cfg):
+            raise DataError(f"{field}: unpaired records ({{prompt, completion, label}}) train with "
+                            f"`megarl dpo` and dpo.loss_type: kto, not {cfg.stage}"
+                            + (f" loss_type {cfg.dpo.loss_type}" if cfg.stage == "dpo" else ""))
+    if train and isinstance(train[0], KtoExample):  # one row per example (the config checks assumed pairs)
+        role = cfg.model
+        per_step = role.parallel.data_parallel_size * role.micro_batch_size
+        if role.max_tokens_per_microbatch is None and not role.pack_sequences and d.batch_size % per_step:
+            raise DataError(f"data.batch_size={d.batch_size} unpaired answers per step are not a multiple of "
+                            f"model.micro_batch_size x data-parallel ranks = {per_step}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return StageData(train, held_out, int(pad))
 
@@ -80,19 +93,15 @@ def total_steps(cfg: SupervisedConfig, examples: int) -> int:
     return cfg.trainer.steps or cfg.trainer.epochs * (examples // cfg.data.batch_size)
 
 
-def rows_per_example(cfg: SupervisedConfig) -> int:
-    return 1 if cfg.stage == "sft" else 2
-
-
 def make_batch(cfg: SupervisedConfig, examples: list, pad_id: int) -> dict[str, Any]:
     """The rank batch of ``examples`` with the step's normaliser (completion tokens, pairs, or
-    KTO's answers: two unpaired rows per pair)."""
+    KTO's answers: one row per unpaired example, two per pair)."""
     if cfg.stage == "sft":
         batch = collate([e.seq for e in examples], pad_id)
         batch["denoms"] = [float(batch["mask"].sum())]
-    elif is_kto(cfg):  # KTO's loss is a mean over answers, two per pair
+    elif is_kto(cfg):  # KTO's loss is a mean over answers
         batch = kto_batch(examples, pad_id)
-        batch["denoms"] = [float(2 * len(examples))]
+        batch["denoms"] = [float(len(batch["desirable"]))]
     else:
         batch = pair_batch(examples, pad_id)
         batch["denoms"] = [float(len(examples))]
@@ -105,9 +114,10 @@ class SupervisedRun:
         self.run_dir = Path(cfg.output_dir)
         self.roles: dict[str, MegatronRole] = {}
         self.checkpoints = CheckpointManager(self.run_dir)
-        # DPO: the frozen reference's per-token log-probs of each answer (chosen, rejected), kept for
-        # the held-out pairs (computed once), and for all pairs with dpo.precompute_reference
-        self._reference: dict[PairExample, tuple[torch.Tensor, torch.Tensor]] = {}
+        # DPO / KTO: the frozen reference's per-token log-probs of each of an example's answers
+        # (a pair's chosen and rejected; an unpaired answer), kept for the held-out examples
+        # (computed once), and for all pairs with dpo.precompute_reference
+        self._reference: dict[PairExample | KtoExample, tuple[torch.Tensor, ...]] = {}
 
     def __enter__(self) -> SupervisedRun:
         return self.start()
@@ -173,11 +183,11 @@ class SupervisedRun:
         metrics["data/completion_tokens"] = float(batch["mask"].sum())
         return metrics
 
-    def _kto_reference_point(self, pairs: list[PairExample]) -> float:
-        """KTO's KL estimate ``z`` for a batch of ``pairs``: the policy's (before the step) and the
-        reference's log-probs of the mismatched rows (``kto_kl_rows``). The whole batch's rows are
-        needed before any micro-batch's loss, hence its own forward passes first (TRL's too)."""
-        rows = kto_kl_rows(pairs, self.data.pad_id, self.cfg.data.max_len)
+    def _kto_reference_point(self, examples: list[PairExample] | list[KtoExample]) -> float:
+        """KTO's KL estimate ``z`` for a batch: the policy's (before the step) and the reference's
+        log-probs of its mismatched rows (``kto_kl_rows``). The whole batch's rows are needed
+        before any micro-batch's loss, hence its own forward passes first (TRL's too)."""
+        rows = kto_kl_rows(examples, self.data.pad_id, self.cfg.data.max_len)
         mask = rows["mask"]
         policy = (self._logprobs("model", rows) * mask).sum(1)
         ref = (self._logprobs("reference", rows) * mask).sum(1)
@@ -188,29 +198,31 @@ class SupervisedRun:
         return rl_fns.gather_shards(r._run(rl_fns.logprobs, key=role, batch=batch,
                                            micro_batch_size=r.cfg.micro_batch_size))
 
-    def _reference_logprobs(self, pairs: list[PairExample], batch: dict[str, Any]) -> torch.Tensor:
-        """The reference's per-token log-probs [rows, L-1] of ``batch`` (``pairs``'s rows): from the
-        remembered ones where every pair has them, else from the reference group."""
-        if not all(p in self._reference for p in pairs):
+    def _reference_logprobs(self, examples: list[PairExample] | list[KtoExample], batch: dict[str, Any]
+                            ) -> torch.Tensor:
+        """The reference's per-token log-probs [rows, L-1] of ``batch`` (``examples``'s rows): from
+        the remembered ones where every example has them, else from the reference group."""
+        if not all(e in self._reference for e in examples):
             return self._logprobs("reference", batch)
         out = torch.zeros(batch["tokens"].shape[0], batch["tokens"].shape[1] - 1)
-        for k, pair in enumerate(pairs):
-            for row, lp in zip((2 * k, 2 * k + 1), self._reference[pair], strict=True):
-                out[row, :len(lp)] = lp
+        rows = (lp for e in examples for lp in self._reference[e])
+        for row, lp in enumerate(rows):
+            out[row, :len(lp)] = lp
         return out
 
-    def _remember_reference(self, pairs: list[PairExample]) -> None:
-        """Computes and keeps the reference's log-probs of ``pairs``, in step-sized batches (the last
-        filled up with repeats of its first pair, whose results are not kept twice)."""
+    def _remember_reference(self, examples: list[PairExample] | list[KtoExample]) -> None:
+        """Computes and keeps the reference's log-probs of ``examples``, in step-sized batches (the
+        last filled up with repeats of its first example, whose results are not kept twice)."""
         size = self.cfg.data.batch_size
-        for start in range(0, len(pairs), size):
-            chunk = pairs[start:start + size]
+        for start in range(0, len(examples), size):
+            chunk = examples[start:start + size]
             padded = chunk + [chunk[0]] * (size - len(chunk))
-            batch = make_batch(self.cfg, padded, self.data.pad_id)
-            lp = self._logprobs("reference", batch)
-            for k, pair in enumerate(chunk):
-                self._reference[pair] = (lp[2 * k, :len(pair.chosen.tokens) - 1].clone(),
-                                         lp[2 * k + 1, :len(pair.rejected.tokens) - 1].clone())
+            lp = self._logprobs("reference", make_batch(self.cfg, padded, self.data.pad_id))
+            row = 0
+            for example in chunk:
+                seqs = example_seqs(example)
+                self._reference[example] = tuple(lp[row + i, :len(s.tokens) - 1].clone() for i, s in enumerate(seqs))
+                row += len(seqs)
 
     def _scores(self, batch: dict[str, Any]) -> torch.Tensor:
         r = self.roles["model"]
@@ -221,7 +233,8 @@ class SupervisedRun:
         """The held-out examples in batches the layout takes (whole micro-batches on every rank);
         a remainder smaller than that is left out."""
         par, mbs = self.cfg.model.parallel, self.cfg.model.micro_batch_size
-        per = max(1, (par.data_parallel_size * mbs) // rows_per_example(self.cfg))
+        rows = len(example_seqs(self.data.eval[0])) if self.data.eval else 1
+        per = max(1, (par.data_parallel_size * mbs) // rows)
         size = max(per, self.cfg.data.batch_size // per * per)
         n = len(self.data.eval) // per * per
         return [self.data.eval[i:i + size] for i in range(0, n, size)]
@@ -229,7 +242,8 @@ class SupervisedRun:
     def evaluate(self) -> dict[str, float]:
         """The held-out measure: SFT the completion tokens' mean NLL; RM and DPO the loss (KTO's per
         answer, its reference point from each held-out batch's KL rows) and the fraction of pairs
-        ranked right (``eval/heldout/accuracy``; KTO: the chosen answer's log-ratio the higher)."""
+        ranked right (``eval/heldout/accuracy``; KTO on pairs: the chosen answer's log-ratio the
+        higher; unpaired answers have no pairs to rank)."""
         batches = self.eval_batches()
         if not batches:
             return {}
@@ -254,12 +268,14 @@ class SupervisedRun:
                 policy = (self._logprobs("model", batch) * mask).sum(1)
                 ref, tokens = (self._reference_logprobs(examples, batch) * mask).sum(1), mask.sum(1)
                 if is_kto(self.cfg):
-                    # a last batch of one pair has no other prompt's answers: the previous batch's z
+                    # a last batch of one example has no other prompt's answers: the previous batch's z
                     kl = self._kto_reference_point(examples) if n > 1 else kl
-                    # half of each pair's two losses: over the pairs, the held-out mean per answer
-                    loss, _ = kto_loss(policy, ref, batch["desirable"], kl, self.cfg.dpo, denom=2.0)
+                    # per example: an unpaired answer's loss, half of a pair's two (the mean per answer)
+                    answers = len(example_seqs(examples[0]))
+                    loss, _ = kto_loss(policy, ref, batch["desirable"], kl, self.cfg.dpo, denom=float(answers))
                     ratio = policy - ref
-                    totals["accuracy"] += float((ratio[0::2] > ratio[1::2]).float().sum())
+                    if answers == 2:
+                        totals["accuracy"] += float((ratio[0::2] > ratio[1::2]).float().sum())
                 else:
                     pairs = PairLogprobs(policy[0::2], policy[1::2], ref[0::2], ref[1::2], tokens[0::2],
                                          tokens[1::2])
@@ -269,7 +285,7 @@ class SupervisedRun:
             totals["count"] += n
         out = {"eval/heldout/loss": totals["loss"] / totals["count"], "eval/heldout/examples": float(
             sum(len(b) for b in batches))}
-        if self.cfg.stage != "sft":
+        if self.cfg.stage != "sft" and not isinstance(self.data.eval[0], KtoExample):
             out["eval/heldout/accuracy"] = totals["accuracy"] / totals["count"]
         return out
 
