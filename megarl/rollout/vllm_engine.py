@@ -52,7 +52,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto", cpu_threads: int | None = None,
-                 fp8_weights: bool = False, fp8_block: int | None = None):
+                 fp8_weights: bool = False, fp8_block: int | None = None, expert_parallel: bool = False):
         platform = current_platform()
         platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores())
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,6 +67,8 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
             distributed_executor_backend="mp", worker_extension_cls=self.worker_extension,
             enable_prefix_caching=True,
+            # MoE: experts split whole over the TP ranks (the weight sync follows, vllm_layout)
+            enable_expert_parallel=expert_parallel,
             # A sample's log-probs after temperature (and top-k/top-p), the distribution it was
             # drawn from; the default, raw logits, ignore the temperature the trainer applies.
             logprobs_mode="processed_logprobs",

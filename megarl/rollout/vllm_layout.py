@@ -9,7 +9,11 @@ Per rank r of TP size T:
 - the final norm: replicated. Tied embeddings have no separate ``lm_head`` parameter;
 - each layer's tensors: the family's (``Family.vllm_layer_recipe``; the Llama-style
   ``qkv_proj`` / ``gate_up_proj`` / ``o_proj`` / ``down_proj`` layout is in
-  ``megarl.models.families.base``).
+  ``megarl.models.families.base``);
+- with vLLM's expert parallelism (``enable_expert_parallel``, EP = the engine's TP size here):
+  rank r holds experts [r * E / EP, (r + 1) * E / EP) of each layer, each expert whole (vLLM's
+  default linear placement; the engine reports the experts it holds, and a sync against another
+  placement is refused by name before any byte moves). Everything else stays split over TP.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 from megarl.models.arch import family_of
 from megarl.models.families.base import vllm_kv_heads
 from megarl.models.hf_arch import ModelArch
-from megarl.models.recipes import Piece, Recipe, hf_layer, whole
+from megarl.models.recipes import Piece, Recipe, chunk, hf_layer, split_block, whole
 from megarl.reshard.plan import DestinationLayout
 
 __all__ = ["VLLM_VOCAB_PADDING", "vllm_kv_heads", "vllm_padded_vocab", "vllm_param_names", "vllm_recipe"]
@@ -29,21 +33,28 @@ def vllm_padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
-def vllm_param_names(arch: ModelArch) -> list[str]:
-    """vLLM's parameters of ``arch``; NotImplementedError where the sync cannot fill them."""
+def vllm_param_names(arch: ModelArch, ep_rank: int = 0, ep: int = 1) -> list[str]:
+    """vLLM's parameters of ``arch`` on expert-parallel rank ``ep_rank`` of ``ep`` (a fused MoE
+    tensor's experts as blocks, ``recipes.block_name``); NotImplementedError where the sync cannot
+    fill them."""
     family = family_of(arch)
     names = ["model.embed_tokens.weight"]
+    first, stop = chunk(arch.num_experts or 1, ep, ep_rank)
     for i in range(arch.num_layers):
-        names += family.vllm_layer_names(arch, hf_layer(i))
+        names += [n for n in family.vllm_layer_names(arch, hf_layer(i))
+                  if (expert := split_block(n)[1]) is None or first <= expert < stop]
     names.append("model.norm.weight")
     if not arch.tie_embeddings:
         names.append("lm_head.weight")
     return names
 
 
-def vllm_recipe(arch: ModelArch, name: str, tp_rank: int, tp: int) -> Recipe:
-    """The recipe of vLLM's parameter ``name`` on TP rank ``tp_rank`` of ``tp``; KeyError if unknown."""
+def vllm_recipe(arch: ModelArch, name: str, tp_rank: int, tp: int, ep: int = 1) -> Recipe:
+    """The recipe of vLLM's parameter ``name`` on TP rank ``tp_rank`` of ``tp`` (with expert
+    parallelism over ``ep`` ranks, a fused MoE tensor's expert blocks are whole); KeyError if unknown."""
     h = arch.hidden_size
+    if ep > 1 and split_block(name)[1] is not None:
+        tp_rank, tp = 0, 1
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         source = "model.embed_tokens.weight" if arch.tie_embeddings else name
         per_rank = vllm_padded_vocab(arch.vocab_size) // tp

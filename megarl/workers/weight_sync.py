@@ -87,7 +87,8 @@ class WeightSync:
             workers = []
             for worker in engine_meta:
                 params = {n: ParamInfo(tuple(shape), dtype) for n, (shape, dtype) in worker["params"].items()}
-                workers.append(DestRank(first + worker["tp_rank"], worker["tp_rank"], worker["tp"], params))
+                workers.append(DestRank(first + worker["tp_rank"], worker["tp_rank"], worker["tp"], params,
+                                        worker.get("ep_rank", 0), worker.get("ep", 1)))
             self.destinations.append(workers)
             first += len(workers)
         # Refuses a mismatched engine (PlanError) before any group is formed or byte moved.
