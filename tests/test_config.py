@@ -688,6 +688,9 @@ def test_rollout_expert_parallelism_needs_moe_divisible_experts_and_a_gpu(mixtra
     cfg = actor_run(mixtral_dir, ep=2, world_size=2)  # 4 experts
     cfg.rollout.expert_parallel = True
     arch = validate_run(actor_run(mixtral_dir, ep=2, world_size=2), CPU)["actor"]
+    assert expert_parallel_rollout_errors(cfg, arch, GPU_TE) == [
+        "rollout.expert_parallel splits the experts over the engine's TP ranks: it needs rollout.tp >= 2"]
+    cfg.rollout.tp = 4
     assert expert_parallel_rollout_errors(cfg, arch, GPU_TE) == []
     cfg.rollout.tp = 3
     assert expert_parallel_rollout_errors(cfg, arch, GPU_TE) == [

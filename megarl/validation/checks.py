@@ -164,7 +164,9 @@ def expert_parallel_rollout_errors(cfg: RunConfig, actor: ModelArch, platform: P
     if not actor.is_moe:
         return [f"rollout.expert_parallel needs a mixture-of-experts actor; {cfg.actor.model.path} is dense"]
     errors = []
-    if actor.num_experts % r.tp:
+    if r.tp < 2:
+        errors.append("rollout.expert_parallel splits the experts over the engine's TP ranks: it needs rollout.tp >= 2")
+    elif actor.num_experts % r.tp:
         errors.append(f"rollout.expert_parallel splits the {actor.num_experts} experts over rollout.tp={r.tp} "
                       "ranks: it must divide them")
     if not platform.is_gpu:
