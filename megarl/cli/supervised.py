@@ -23,8 +23,9 @@ DESCRIPTION = """{help}, on megatron-core at the recipe's tp/pp/dp layout.
 
 Data (data.train, data.eval): JSONL, Parquet or reasoning_gym:<task>. SFT records are
 {{"messages": [...]}} or {{"prompt", "response"}}; preference records are
-{{"prompt" or "messages", "chosen", "rejected"}} (optional "margin", "system"). Every record is
-tokenized with the model's chat template and checked before any process starts.
+{{"prompt" or "messages", "chosen", "rejected"}} (optional "margin", "system"); KTO
+(dpo.loss_type: kto) also reads unpaired records {{"prompt", "completion", "label": true|false}}.
+Every record is tokenized with the model's chat template and checked before any process starts.
 
 The run writes into output_dir: metrics.jsonl, tensorboard/, plots/ (training and held-out
 loss, held-out pair accuracy) and checkpoints/ (megarl checkpoints: `megarl convert
