@@ -173,6 +173,13 @@ class RoleConfig:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 1.0  # ignored on CPU
 
+    def rows_per_step_split(self) -> int | None:
+        """The rows one step's batch must be a multiple of: micro_batch_size on every data-parallel
+        rank; None when micro-batches are cut by a token budget or packed (any row count splits)."""
+        if self.max_tokens_per_microbatch is not None or self.pack_sequences:
+            return None
+        return self.parallel.data_parallel_size * self.micro_batch_size
+
 
 @dataclass
 class RolloutConfig:

@@ -252,7 +252,7 @@ def expert_gemm_efficiency(arch: ModelArch, layout: Layout, micro_batch_tokens: 
     if not arch.is_moe:
         return 1.0
     hidden, etp = arch.hidden_size, layout.expert_tp
-    inter = expert_params(arch) / arch.num_layers / arch.num_experts / (3 * hidden) / etp
+    inter = arch.ffn_hidden_size / etp  # a MoE architecture's ffn_hidden_size is each expert's
     rows = (micro_batch_tokens / (layout.tp * layout.cp) * layout.ep * etp * (arch.moe_topk or 1)
             / arch.num_experts)
     compute = memory = 0.0

@@ -55,6 +55,12 @@ class StageData:
     eval: list[SftExample] | list[PairExample] | list[KtoExample]
     pad_id: int
 
+    @property
+    def eval_rows_per_example(self) -> int:
+        """Batch rows of one held-out example: 2 for a preference pair, 1 for an SFT or unpaired KTO
+        one (KTO's held-out file may be of the other kind than its training file)."""
+        return len(example_seqs(self.eval[0])) if self.eval else 1
+
 
 def load_stage_data(cfg: SupervisedConfig, tokenizer: Any) -> StageData:
     """The train and held-out examples, tokenized; raises DataError naming a bad record."""
@@ -79,12 +85,11 @@ def load_stage_data(cfg: SupervisedConfig, tokenizer: Any) -> StageData:
             raise DataError(f"{field}: unpaired records ({{prompt, completion, label}}) train with "
                             f"`megarl dpo` and dpo.loss_type: kto, not {cfg.stage}"
                             + (f" loss_type {cfg.dpo.loss_type}" if cfg.stage == "dpo" else ""))
-    if train and isinstance(train[0], KtoExample):  # one row per example (the config checks assumed pairs)
-        role = cfg.model
-        per_step = role.parallel.data_parallel_size * role.micro_batch_size
-        if role.max_tokens_per_microbatch is None and not role.pack_sequences and d.batch_size % per_step:
-            raise DataError(f"data.batch_size={d.batch_size} unpaired answers per step are not a multiple of "
-                            f"model.micro_batch_size x data-parallel ranks = {per_step}")
+    per_step = cfg.model.rows_per_step_split()
+    if train and isinstance(train[0], KtoExample) and per_step and d.batch_size % per_step:
+        # one row per example: the config checks (validate_supervised) counted two per pair
+        raise DataError(f"data.batch_size={d.batch_size} unpaired answers per step are not a multiple of "
+                        f"model.micro_batch_size x data-parallel ranks = {per_step}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return StageData(train, held_out, int(pad))
 
@@ -233,8 +238,7 @@ class SupervisedRun:
         """The held-out examples in batches the layout takes (whole micro-batches on every rank);
         a remainder smaller than that is left out."""
         par, mbs = self.cfg.model.parallel, self.cfg.model.micro_batch_size
-        rows = len(example_seqs(self.data.eval[0])) if self.data.eval else 1
-        per = max(1, (par.data_parallel_size * mbs) // rows)
+        per = max(1, (par.data_parallel_size * mbs) // self.data.eval_rows_per_example)
         size = max(per, self.cfg.data.batch_size // per * per)
         n = len(self.data.eval) // per * per
         return [self.data.eval[i:i + size] for i in range(0, n, size)]
@@ -271,7 +275,7 @@ class SupervisedRun:
                     # a last batch of one example has no other prompt's answers: the previous batch's z
                     kl = self._kto_reference_point(examples) if n > 1 else kl
                     # per example: an unpaired answer's loss, half of a pair's two (the mean per answer)
-                    answers = len(example_seqs(examples[0]))
+                    answers = self.data.eval_rows_per_example
                     loss, _ = kto_loss(policy, ref, batch["desirable"], kl, self.cfg.dpo, denom=float(answers))
                     ratio = policy - ref
                     if answers == 2:
@@ -285,7 +289,7 @@ class SupervisedRun:
             totals["count"] += n
         out = {"eval/heldout/loss": totals["loss"] / totals["count"], "eval/heldout/examples": float(
             sum(len(b) for b in batches))}
-        if self.cfg.stage != "sft" and not isinstance(self.data.eval[0], KtoExample):
+        if self.data.eval_rows_per_example == 2:  # pairs to rank (not SFT, not unpaired KTO answers)
             out["eval/heldout/accuracy"] = totals["accuracy"] / totals["count"]
         return out
 

@@ -41,9 +41,9 @@ def _batch_errors(cfg: SupervisedConfig) -> list[str]:
     role = cfg.model
     pairs = cfg.stage != "sft"
     rows = cfg.data.batch_size * (2 if pairs else 1)
-    per_step = role.parallel.data_parallel_size * role.micro_batch_size
+    per_step = role.rows_per_step_split()
     errors = []
-    if role.max_tokens_per_microbatch is None and not role.pack_sequences and rows % per_step:
+    if per_step and rows % per_step:
         errors.append(f"data.batch_size={cfg.data.batch_size} gives {rows} sequences per step, not a multiple of "
                       f"model.micro_batch_size x data-parallel ranks = {per_step}")
     if cfg.stage == "dpo" and cfg.dpo.loss_type == "kto":  # unpaired rows: any micro-batching
