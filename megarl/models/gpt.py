@@ -52,7 +52,7 @@ def moe_kwargs(moe: MoeConfig | None) -> dict:
     if moe is None:
         return {}
     out = {"moe_router_load_balancing_type": moe.load_balancing, "moe_aux_loss_coeff": moe.aux_loss_coeff,
-           "moe_z_loss_coeff": moe.z_loss_coeff}
+           "moe_z_loss_coeff": moe.z_loss_coeff, "moe_enable_routing_replay": moe.routing_replay}
     if moe.capacity_factor is not None:
         out |= {"moe_expert_capacity_factor": moe.capacity_factor, "moe_token_drop_policy": moe.token_drop_policy,
                 "moe_pad_expert_input_to_capacity": moe.pad_to_capacity}
@@ -193,5 +193,11 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
 def build_model_chunks(spec: ModelSpec) -> list:
     """All model chunks of this rank: one, or ``vpp`` under the interleaved pipeline schedule."""
     if spec.parallel.vpp is None:
-        return [build_model(spec)]
-    return [build_model(spec, vp_stage=i) for i in range(spec.parallel.vpp)]
+        chunks = [build_model(spec)]
+    else:
+        chunks = [build_model(spec, vp_stage=i) for i in range(spec.parallel.vpp)]
+    if spec.moe is not None and spec.moe.routing_replay:
+        from megarl.models.routing_replay import install
+
+        install(chunks)
+    return chunks

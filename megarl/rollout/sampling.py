@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class SamplingConfig:
@@ -29,6 +31,9 @@ class RolloutSample:
     # Multi-turn episodes: 1 where the response token is the policy's (trained), 0 where an
     # environment inserted it (context only). None: every response token is the policy's.
     response_mask: list[int] | None = None
+    # Rollout routing replay (a MoE actor's ``moe.routing_replay``): the experts the engine routed
+    # each token of prompt + response to, ``[tokens, layers, k]`` int16 (-1 at a dense layer).
+    routes: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, FinishedTurn, Trajectory
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
+from megarl.rollout.vllm_routes import routes_of_samples, unpack
 from megarl.utils import process_watch
 from megarl.utils.cores import usable_cores
 
@@ -52,7 +53,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto", cpu_threads: int | None = None,
-                 fp8_weights: bool = False, fp8_block: int | None = None, expert_parallel: bool = False):
+                 fp8_weights: bool = False, fp8_block: int | None = None, expert_parallel: bool = False,
+                 routing_replay: bool = False):
         platform = current_platform()
         platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores())
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,7 +68,8 @@ class VLLMEngine:
             model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
             distributed_executor_backend="mp", worker_extension_cls=self.worker_extension,
-            enable_prefix_caching=True,
+            # R3 records each token's experts as it runs through the model: a cached prefix does not
+            enable_prefix_caching=not routing_replay,
             # MoE: experts split whole over the TP ranks (the weight sync follows, vllm_layout)
             enable_expert_parallel=expert_parallel,
             # A sample's log-probs after temperature (and top-k/top-p), the distribution it was
@@ -80,6 +83,10 @@ class VLLMEngine:
         # vLLM's engine core and its workers, now that they are up: a death of any of them would
         # leave a call on this engine waiting forever.
         self._processes = process_watch.descendants("VLLM::")
+        # rollout routing replay: every sample comes back with the experts vLLM routed it through
+        self.routing_replay = routing_replay
+        if routing_replay:
+            self.llm.collective_rpc("megarl_capture_routes")
         self.weight_version = 0  # the initial weights; each weight sync's caller sets the next
         self._generate_seconds = 0.0
         self.model_path = model_path
@@ -123,6 +130,8 @@ class VLLMEngine:
 
         self._check_version(sampling)
         started = time.perf_counter()
+        if self.routing_replay:
+            self._taken_routes()  # forget what other calls (scoring, checks) ran through the model
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed,
@@ -130,6 +139,7 @@ class VLLMEngine:
         )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
+        captured = self._taken_routes() if self.routing_replay else None
         results = []
         for prompt, output in zip(prompts, outputs, strict=True):
             samples = []
@@ -139,9 +149,15 @@ class VLLMEngine:
                             if sampling.logprobs else [])
                 reason = "stop" if completion.finish_reason == "stop" else "length"
                 samples.append(RolloutSample(list(prompt), ids, logprobs, reason))
+                if captured is not None:
+                    samples[-1].routes = routes_of_samples(captured, list(prompt), ids)
             results.append(samples)
         self._generate_seconds += time.perf_counter() - started
         return results
+
+    def _taken_routes(self) -> dict:
+        (taken,) = [t for t in self.llm.collective_rpc("megarl_take_routes") if t is not None]
+        return unpack(taken)
 
     @_watch_method
     def interrupt(self, epoch: int) -> None:

@@ -103,6 +103,23 @@ def _repack_fused_experts(module: torch.nn.Module) -> None:
 class WeightSyncExtension:
     """Methods vLLM adds to its Worker class; ``self`` is the worker."""
 
+    # -- routing replay (R3): the experts each token was routed to ------------------------------
+
+    def megarl_capture_routes(self) -> int:
+        """Starts recording routes on TP rank 0 (vLLM's routers are replicated); MoE layers bound."""
+        from megarl.rollout.vllm_routes import RouteCapture
+
+        if self._megarl_tp()[0] != 0:
+            return 0
+        layers = self.model_runner.model_config.hf_text_config.num_hidden_layers
+        self._megarl_routes = RouteCapture(self.model_runner, layers)
+        return self._megarl_routes.bind(self._megarl_model())
+
+    def megarl_take_routes(self) -> dict | None:
+        """What ``RouteCapture.take`` gives, and forgets it; None on ranks that do not record."""
+        capture = getattr(self, "_megarl_routes", None)
+        return None if capture is None else capture.take()
+
     # -- what this worker holds -------------------------------------------------------------
 
     def _megarl_model(self):

@@ -29,6 +29,8 @@ class RolloutBatch:
     # The sampling temperature: the policy that drew the tokens is softmax(logits / T), so the
     # ranks score them, and train on them, at the same T (rollout_logprobs are vLLM's after T).
     temperature: float = 1.0
+    # R3: [B, L, layers, k] the experts the engine routed each token to (None: not recorded)
+    routes: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -40,7 +42,8 @@ class RolloutBatch:
 
     def to_workers(self) -> RankBatch:
         """What the ranks' scoring passes read."""
-        return RankBatch(tokens=self.tokens, mask=self.mask, seq_lens=self.seq_lens, temperature=self.temperature)
+        return RankBatch(tokens=self.tokens, mask=self.mask, seq_lens=self.seq_lens, temperature=self.temperature,
+                         routes=self.routes)
 
 
 def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1,
@@ -63,11 +66,18 @@ def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple:
         mask[i, start:stop] = 1.0 if s.response_mask is None else torch.tensor(s.response_mask, dtype=mask.dtype)
         if s.logprobs:
             rollout_lp[i, start:stop] = torch.tensor(s.logprobs)
+    routes = None
+    if samples[0].routes is not None:
+        first = samples[0].routes
+        # padding and placeholders route to experts 0..k-1 (a valid routing; no loss reads them)
+        routes = torch.arange(first.shape[-1], dtype=first.dtype).expand(batch, width, *first.shape[1:]).clone()
+        for i, s in enumerate(samples):
+            routes[i, :len(s.routes)] = s.routes
     return RolloutBatch(
         tokens=tokens, seq_lens=torch.tensor(lengths), prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
         mask=mask, rollout_logprobs=rollout_lp, finish_reasons=[s.finish_reason for s in samples],
         group_size=sizes.pop(),
-        temperature=temperature,
+        temperature=temperature, routes=routes,
     )
 
 

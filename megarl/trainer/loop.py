@@ -57,6 +57,7 @@ def train(cfg: RunConfig) -> list[dict]:
                 with run.phase("actor_update"):
                     metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
                     old = old or fresh
+            metrics |= actor.routing_mismatch()  # R3: the routings its forwards replayed that differ
             if critic:
                 with run.phase("critic_update"):
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]

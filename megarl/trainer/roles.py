@@ -64,6 +64,15 @@ class MegatronRole:
         metrics = {f"{self.name}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         return metrics, (rl_fns.gather_shards(per_token) if per_token else None)
 
+    def routing_mismatch(self) -> dict[str, float]:
+        """R3 (``moe.routing_replay``): the share of the token-layer routings replayed since the last
+        call whose own top-k would have chosen other experts; {} for a role that does not replay."""
+        if not self.cfg.moe.routing_replay:
+            return {}
+        counts = self._run(rl_fns.routing_replay_counts, key=self.name)  # (compared, differing) per rank
+        compared, differing = sum(c for c, _ in counts), sum(d for _, d in counts)
+        return {f"{self.name}/moe/routing_mismatch": differing / compared} if compared else {}
+
     def save(self, directory: str) -> None:
         self._run(checkpoint_fns.save, key=self.name, out_dir=directory, source=self.source)
 

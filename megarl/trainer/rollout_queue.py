@@ -140,6 +140,8 @@ class RolloutQueue:
             }
             entry = {"index": index, "version": rollout.version, "prompt_ids": rollout.prompt_ids,
                      "group_size": len(rollout.groups[0]), "finish_reasons": [s.finish_reason for s in samples]}
+            if samples[0].routes is not None:  # R3: the experts each token went to, [tokens, layers, k]
+                tensors[f"{index}.routes"] = torch.cat([s.routes for s in samples])
             if rollout.token_versions is not None:
                 tensors[f"{index}.token_versions"] = _ints([v for vs in rollout.token_versions for v in vs])
             if rollout.episodes is not None:
@@ -173,6 +175,11 @@ class RolloutQueue:
                     _split(read["prompt_tokens"], read["prompt_lens"]),
                     _split(read["response_tokens"], read["response_lens"]),
                     _split(read["logprobs"], read["logprob_lens"]), entry["finish_reasons"], strict=True)]
+                if f"{index}.routes" in f.keys():
+                    routes = f.get_tensor(f"{index}.routes")
+                    for s, part in zip(samples, torch.split(routes, [len(s.prompt_ids) + len(s.response_ids)
+                                                                     for s in samples]), strict=True):
+                        s.routes = part
                 episodes = None
                 if "episodes" in entry:
                     episodes = _read_episodes(f, index, samples, entry["episodes"])

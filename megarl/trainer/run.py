@@ -152,7 +152,7 @@ class Run:
                              gpu_memory_utilization=r.gpu_memory_utilization,
                              load_format="dummy" if self.engines_start_blank else "auto",
                              fp8_weights=r.weights == "fp8", fp8_block=r.fp8_block,
-                             expert_parallel=r.expert_parallel,
+                             expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,
                              placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
                              cpu_threads=self._cpu_threads(slot))
                 for i in range(r.engines)]

@@ -19,6 +19,7 @@ def policy_batch(batch: RolloutBatch, est: Estimate, old: dict[str, torch.Tensor
         advantages=est.advantages, old_logprobs=None if old is None else old["logprobs"],
         select_mask=batch.mask if old is None else None, ref_logprobs=ref,
         rollout_logprobs=batch.rollout_logprobs if cfg.algorithm.off_policy_correction != "none" else None,
+        routes=batch.routes,
         **denominators(est.mask, cfg, cfg.actor.parallel.data_parallel_size))
 
 

@@ -94,6 +94,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += rl_errors(cfg, archs["actor"])
         errors += rollout_fit_errors(cfg, archs["actor"], platform)
         errors += expert_parallel_rollout_errors(cfg, archs["actor"], platform)
+        errors += routing_replay_errors(cfg)
         if not errors:  # reads the whole dataset: only once the rest is known to be sound
             errors += data_errors(cfg) + eval_errors(cfg)
     refuse(errors)
@@ -175,6 +176,25 @@ def expert_parallel_rollout_errors(cfg: RunConfig, actor: ModelArch, platform: P
     return errors
 
 
+def routing_replay_errors(cfg: RunConfig) -> list[str]:
+    """``actor.moe.routing_replay`` (R3): the engines record the routes of single-turn generation
+    run to the end, and the actor's forwards replay them once each (no activation recompute)."""
+    if not cfg.actor.moe.routing_replay:
+        return []
+    errors = []
+    if cfg.env is not None:
+        errors.append("actor.moe.routing_replay records single-turn generation; multi-turn episodes (env) are "
+                      "not recorded yet: turn it off for this run")
+    if cfg.trainer.schedule == "opportunistic":
+        errors.append("actor.moe.routing_replay needs every sample generated in one piece by one policy version: "
+                      "use trainer.schedule=exact (opportunistic interrupts and continues samples)")
+    rc = cfg.actor.recompute
+    if rc.granularity == "full" or (rc.granularity == "selective" and {"moe", "mlp"} & set(rc.modules)):
+        errors.append("actor.moe.routing_replay replays each router once per forward; a recomputed MoE layer "
+                      "would route again: leave the MoE layers out of actor.recompute")
+    return errors
+
+
 def moe_errors(moe: MoeConfig, arch: ModelArch, where: str) -> list[str]:
     """A role's MoE routing settings: only for a MoE model, each value in range, and a
     load-balancing loss with its weight (megatron-core would train a named loss at weight 0)."""
@@ -200,6 +220,12 @@ def moe_errors(moe: MoeConfig, arch: ModelArch, where: str) -> list[str]:
                       f"{', '.join(MOE_TOKEN_DROP_POLICIES)}")
     if moe.pad_to_capacity and moe.capacity_factor is None:
         errors.append(f"{where}.pad_to_capacity needs {where}.capacity_factor")
+    if moe.routing_replay and where != "actor.moe":
+        errors.append(f"{where}.routing_replay is the actor's: it replays the routes the rollout engine took "
+                      "for the actor's samples")
+    if moe.routing_replay and moe.capacity_factor is not None:
+        errors.append(f"{where}.routing_replay sends every token to the experts vLLM chose, and vLLM drops "
+                      f"none: leave {where}.capacity_factor unset")
     return errors
 
 

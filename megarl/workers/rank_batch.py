@@ -19,6 +19,9 @@ class RankBatch:
     mask: torch.Tensor  # [B, L-1] the label positions a loss (or a response-only forward) covers
     seq_lens: torch.Tensor | None = None  # [B]; without it, each row ends at its mask's last position
     temperature: float = 1.0  # the sampling temperature: the ranks score softmax(logits / T)
+    # [B, L, layers, k]: the experts the rollout engine routed each token to; a role built with
+    # moe.routing_replay routes there (R3), any other role ignores them
+    routes: torch.Tensor | None = None
     # -- policy updates ---------------------------------------------------------------------------
     advantages: torch.Tensor | None = None  # [B, L-1], or [B] for per-sequence advantages
     old_logprobs: torch.Tensor | None = None  # absent: on-policy (the update's own forward is pi_old)

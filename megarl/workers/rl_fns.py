@@ -98,7 +98,11 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
         labels = plan.label_width
         mb = {"plan": plan, "index": index, "tokens": rows, "gather": gather, "valid": valid,
               "seq_row": torch.tensor(plan.row), "seq_start": torch.tensor(plan.start)}
+        if "routes" in shard:  # rollout routing replay: each token's experts, laid out as its token
+            mb["routes"], mb["route_valid"] = _rows_routes(shard["routes"], plan, _lengths(shard, width))
         for key, value in shard.items():
+            if key == "routes":
+                continue
             if key == "tokens" or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
                 mb.setdefault(key, value)
             elif value.dim() >= 2 and value.shape[1] == width - 1:
@@ -107,10 +111,35 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
                 mb[key] = value[index]
         mb = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
         mb["inputs"] = rows_inputs(mb["tokens"], plan)
+        if "routes" in mb:
+            mb["inputs"] |= {"routes": mb.pop("routes"), "route_valid": mb.pop("route_valid")}
         if select and par.cp == 1:  # context parallelism splits the sequence: every position stays
             _select_labels(mb, plan, tokens[index, 1:labels + 1].to(device))
         out.append(mb)
     return out
+
+
+def _rows_routes(routes: torch.Tensor, plan, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routes`` [n, L, layers, k] placed as ``plan`` places the tokens: ``[rows, width, layers, k]``,
+    and ``[rows, width]`` True where a real routing sits: the first ``lengths[i] - 1`` tokens of
+    sequence i (not padding, nor its last token, whose routes are a placeholder). Padding routes
+    to experts 0..k-1, a valid placeholder."""
+    k = routes.shape[-1]
+    out = torch.arange(k, dtype=routes.dtype).expand(plan.rows, plan.width, *routes.shape[2:]).clone()
+    valid = torch.zeros(plan.rows, plan.width, dtype=torch.bool)
+    for j, i in enumerate(plan.index):
+        columns = plan.columns(j)
+        out[plan.row[j], columns] = routes[i, :plan.length[j]]
+        valid[plan.row[j], columns[:min(plan.length[j], lengths[i]) - 1]] = True
+    return out, valid
+
+
+def routing_replay_counts(key: str) -> tuple[int, int]:
+    """(token-layer routings this rank replayed and compared, of them differing from the
+    model's own top-k) since the last call (``megarl.models.routing_replay``)."""
+    from megarl.models.routing_replay import take_counts
+
+    return take_counts(held(key).chunks)
 
 
 def _responses(batch: dict[str, Any]) -> torch.Tensor:
