@@ -32,8 +32,10 @@ def upcycle(source: Path, out: Path, experts: int, topk: int, seed: int = 0) -> 
     cfg = json.loads((source / "config.json").read_text())
     if cfg.get("model_type") not in ("llama", "mistral"):
         raise SystemExit(f"{source}: model_type {cfg.get('model_type')!r}; upcycling reads a Llama or Mistral model")
-    if not 1 <= topk <= experts:
-        raise SystemExit(f"--topk={topk} must be in [1, --experts={experts}]")
+    if not 2 <= topk <= experts:
+        # top 1 renormalised weighs the chosen expert 1; megatron-core routes top 1 only with the
+        # softmax over all experts first (weight p), another function
+        raise SystemExit(f"--topk={topk} must be in [2, --experts={experts}]")
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise SystemExit(f"{source}: no *.safetensors")

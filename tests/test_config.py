@@ -718,3 +718,14 @@ def test_routing_replay_is_the_actors_on_single_turn_exact_generation(mixtral_di
     assert "multi-turn episodes (env) are not recorded" in invalid(replace(cfg, env=EnvConfig(kind="single_turn")))
     assert "leave actor.moe.capacity_factor unset" in invalid(
         replace(cfg, actor=replace(cfg.actor, moe=MoeConfig(routing_replay=True, capacity_factor=1.0))))
+
+
+def test_renormalised_top1_routing_is_refused_before_start(tmp_path):
+    # megatron-core routes top 1 only with the softmax over all experts first (weight p, not 1)
+    top1 = write_model(tmp_path / "mixtral-top1", {**MIXTRAL, "num_experts_per_tok": 1})
+    assert "top-1 routing with the top k renormalised (num_experts_per_tok=1) is not supported" in invalid(
+        actor_run(top1, ep=2, world_size=2))
+    unnormalised = {**MIXTRAL, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 1,
+                    "moe_intermediate_size": 64, "norm_topk_prob": False, "head_dim": 32}
+    assert "actor" in validate_run(actor_run(write_model(tmp_path / "qwen3-moe-top1", unnormalised), ep=2,
+                                             world_size=2), CPU)

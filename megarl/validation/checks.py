@@ -138,7 +138,22 @@ def role_model_errors(name: str, role: RoleConfig, platform: Platform) -> tuple[
                       f"tp={role.parallel.tp}")
     errors += precision_errors(role.precision, f"{name}.precision", platform)
     errors += moe_errors(role.moe, arch, f"{name}.moe")
+    errors += top1_routing_errors(arch, f"{name}.model.path")
     return arch, errors
+
+
+def top1_routing_errors(arch: ModelArch, where: str) -> list[str]:
+    """Top-1 routing with the top k renormalised (the chosen expert's weight is 1): megatron-core
+    routes top 1 only with the softmax over all experts taken first, which weighs the expert by
+    its probability instead, another function than the checkpoint's."""
+    from megarl.models.arch import family_of
+
+    if not arch.is_moe or arch.moe_topk != 1:
+        return []
+    if family_of(arch).moe_config_kwargs(arch).get("moe_router_pre_softmax", False):
+        return []
+    return [f"{where}: top-1 routing with the top k renormalised (num_experts_per_tok=1) is not supported: "
+            "megatron-core routes top 1 only with the softmax over all experts first, which changes the model"]
 
 
 def fp8_rollout_errors(cfg: RunConfig) -> list[str]:
