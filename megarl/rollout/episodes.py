@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from megarl.data.chat import ChatRenderer
 from megarl.envs.base import Environment, EpisodeItem, StepResult
 from megarl.rollout.sampling import RolloutSample
@@ -66,11 +68,12 @@ class Trajectory:
     # The reward of each turn the environment answered, in order (``reward`` is their sum); a
     # turn whose step failed or timed out has none, so there may be one fewer than ``turns``.
     turn_rewards: list[float] = field(default_factory=list)
+    routes: torch.Tensor | None = None  # R3: the experts of every token (``RolloutSample.routes``)
 
     def sample(self) -> RolloutSample:
         reason = "stop" if self.finish_reason == "done" else "length"
         return RolloutSample(list(self.prompt_ids), list(self.response_ids), list(self.logprobs), reason,
-                             response_mask=list(self.response_mask))
+                             response_mask=list(self.response_mask), routes=self.routes)
 
 
 @dataclass

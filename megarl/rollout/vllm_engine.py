@@ -212,10 +212,17 @@ class VLLMEngine:
         make_env, renderer = self._episode_setup(env, rewards)
         runner = EpisodeRunner(VLLMTurns(self.llm, self._tokenizer(), sampling), renderer, make_env, limits,
                                self._env_loop())
+        if self.routing_replay:
+            self._taken_routes()
         try:
-            return runner.run(requests)
+            episodes = runner.run(requests)
         finally:
             self._generate_seconds += time.perf_counter() - started
+        if self.routing_replay:  # an episode's last turn ran every token before its last one
+            captured = self._taken_routes()
+            for t in episodes:
+                t.routes = routes_of_samples(captured, t.prompt_ids, t.response_ids, t.response_mask)
+        return episodes
 
     def _episode_setup(self, env: EnvConfig, rewards: list[RewardTermConfig]):
         """The episode factory and the chat renderer of one environment config, built once."""

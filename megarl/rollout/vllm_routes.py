@@ -11,6 +11,8 @@ layer. Prefix caching must be off (a cached prefix never reaches the router).
 A request's last sampled token never runs through the model (nothing is generated after it),
 so a sample's routes cover its prompt and all but its last response token
 (``routes_of_samples`` matches them by those tokens, which survives vLLM's internal request ids).
+A multi-turn episode's last turn is a request whose prompt is the whole episode before it, so it
+ran every token up to its last one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class _Step:
     starts: np.ndarray  # [reqs + 1] row offsets of each request's tokens
     positions: np.ndarray  # [rows]
     token_ids: np.ndarray  # [rows]
-    experts: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [rows, k]
+    experts: dict[int, np.ndarray | torch.Tensor] = field(default_factory=dict)  # layer -> [rows, k]
 
 
 class RouteCapture:
@@ -60,6 +62,8 @@ class RouteCapture:
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         rows = topk_ids.shape[0]
         if layer_id == self.first_layer or not self.steps:  # a new forward step starts at the first MoE layer
+            if self.steps:
+                self._to_host(self.steps[-1])
             batch = self.runner.input_batch
             reqs = batch.num_reqs
             self.steps.append(_Step(
@@ -68,7 +72,15 @@ class RouteCapture:
                 positions=self.runner.positions[:rows].cpu().numpy().copy(),
                 token_ids=self.runner.input_ids.cpu[:rows].numpy().copy()))
         self.topk = topk_ids.shape[1]
-        self.steps[-1].experts[layer_id] = topk_ids.to("cpu", torch.int16).numpy().copy()
+        # kept on the device until the step is over: one copy to the host per step, not per layer
+        self.steps[-1].experts[layer_id] = topk_ids.to(torch.int16, copy=True)
+
+    @staticmethod
+    def _to_host(step: _Step) -> None:
+        if step.experts and isinstance(next(iter(step.experts.values())), torch.Tensor):
+            layers = list(step.experts)
+            stacked = torch.stack([step.experts[layer] for layer in layers]).cpu().numpy()
+            step.experts = dict(zip(layers, stacked, strict=True))
 
     def take(self) -> dict:
         """Every request seen since the last ``take``: its forwarded token ids and their routes
@@ -76,6 +88,7 @@ class RouteCapture:
         tokens: dict[str, np.ndarray] = {}
         routes: dict[str, np.ndarray] = {}
         for step in self.steps:
+            self._to_host(step)
             for j, rid in enumerate(step.req_ids):
                 lo, hi = int(step.starts[j]), int(step.starts[j + 1])
                 if hi <= lo:
@@ -117,17 +130,21 @@ def unpack(taken: dict) -> dict[tuple[int, ...], np.ndarray]:
     return out
 
 
-def routes_of_samples(captured: dict[tuple[int, ...], np.ndarray], prompt: list[int],
-                      response: list[int]) -> torch.Tensor:
-    """The routes ``[prompt + response, layers, k]`` of one sample. Its last token never ran
-    through the model: it takes the previous token's experts (its output predicts past the end
-    of the sequence, and no token attends to it, so any valid experts do)."""
-    forwarded = tuple(prompt + response[:-1])
+def routes_of_samples(captured: dict[tuple[int, ...], np.ndarray], prompt: list[int], response: list[int],
+                      response_mask: list[int] | None = None) -> torch.Tensor:
+    """The routes ``[prompt + response, layers, k]`` of one sample. Its last policy token (the last
+    response token, or of a multi-turn episode the last with ``response_mask`` 1) never ran
+    through the model, nor did anything an environment appended after it: they take the experts of
+    the token before (their outputs predict past the last trained token, and no trained token
+    attends to them, so any valid experts do)."""
+    policy = [i for i, m in enumerate(response_mask) if m] if response_mask is not None else [len(response) - 1]
+    last = policy[-1] if policy else len(response) - 1
+    forwarded = tuple(prompt + response[:last])
     found = captured.get(forwarded)
     if found is None:
         raise RuntimeError(f"routing replay: vLLM recorded no routes for a sample of {len(forwarded) + 1} tokens "
                            "(was prefix caching left on, or the request preempted and not recomputed?)")
     if (found[:, :, 0] < 0).all(axis=1).any():
         raise RuntimeError("routing replay: a sample's routes have a position no MoE layer recorded")
-    out = np.concatenate([found, found[-1:]])
-    return torch.from_numpy(out.copy())
+    tail = np.repeat(found[-1:], len(prompt) + len(response) - len(found), axis=0)
+    return torch.from_numpy(np.concatenate([found, tail]))

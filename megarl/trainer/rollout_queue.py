@@ -261,5 +261,5 @@ def _read_episodes(f, index: int, samples: list[RolloutSample], meta: list[dict]
             sample.prompt_ids, sample.response_ids, masks[i], sample.logprobs, meta[i]["finish_reason"],
             float(read["rewards"][i]), turns=pieces[0::2], observations=pieces[1::2],
             info=dict(meta[i]["info"]), error=meta[i]["error"],
-            turn_rewards=turn_rewards[i]))
+            turn_rewards=turn_rewards[i], routes=sample.routes))
     return episodes

@@ -192,14 +192,11 @@ def expert_parallel_rollout_errors(cfg: RunConfig, actor: ModelArch, platform: P
 
 
 def routing_replay_errors(cfg: RunConfig) -> list[str]:
-    """``actor.moe.routing_replay`` (R3): the engines record the routes of single-turn generation
-    run to the end, and the actor's forwards replay them once each (no activation recompute)."""
+    """``actor.moe.routing_replay`` (R3): the engines record the routes of samples (or episodes)
+    generated in one piece, and the actor's forwards replay them once each (no activation recompute)."""
     if not cfg.actor.moe.routing_replay:
         return []
     errors = []
-    if cfg.env is not None:
-        errors.append("actor.moe.routing_replay records single-turn generation; multi-turn episodes (env) are "
-                      "not recorded yet: turn it off for this run")
     if cfg.trainer.schedule == "opportunistic":
         errors.append("actor.moe.routing_replay needs every sample generated in one piece by one policy version: "
                       "use trainer.schedule=exact (opportunistic interrupts and continues samples)")
