@@ -353,17 +353,20 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
 
 
 def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: dict, optim: dict,
-                    micro_batch_size: int = 2, ref_dir: str | None = None, settings=None) -> dict | None:
+                    micro_batch_size: int = 2, ref_dir: str | None = None, settings=None,
+                    after: bool = False) -> dict | None:
     """One SFT / reward-model / DPO / KTO step at ``parallel`` (DPO, KTO: the reference's log-probs
     first, from its own megatron model at the same layout); the step's metrics from the reporting
     rank. KTO's batch also holds its mismatched rows (``kl_tokens``, ``kl_mask``, ``kl_seq_lens``):
-    the reference's and then the policy's log-probs of them give the step's reference point."""
+    the reference's and then the policy's log-probs of them give the step's reference point.
+    ``after``: the result also holds the updated model's log-probs of the batch (a reward model:
+    its scores), as ``"after"``."""
     from megarl.algorithms.kto import kl_reference_point
     from megarl.workers import megatron_model, preference_fns, rl_fns
 
-    def everywhere(rows: dict) -> torch.Tensor:  # log-probs of ``rows`` [B, L-1], on every rank
+    def everywhere(rows: dict, fn=rl_fns.logprobs) -> torch.Tensor:  # log-probs of ``rows`` [B, L-1], everywhere
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, rl_fns.logprobs("pref", rows, micro_batch_size=micro_batch_size))
+        dist.all_gather_object(parts, fn("pref", rows, micro_batch_size=micro_batch_size))
         return rl_fns.gather_shards(parts)
 
     kl_rows = None
@@ -383,7 +386,11 @@ def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: 
             batch["kto_kl"] = kl_reference_point((policy_kl * mask).sum(1), (ref_kl * mask).sum(1))
         fn = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_model,
               "dpo": preference_fns.train_dpo, "kto": preference_fns.train_kto}[kind]
-        return fn("pref", batch, settings, optim, micro_batch_size)
+        result = fn("pref", batch, settings, optim, micro_batch_size)
+        if after:
+            updated = everywhere(batch, rl_fns.scores if kind == "rm" else rl_fns.logprobs)
+            result = None if result is None else result | {"after": updated}
+        return result
     finally:
         megatron_model.unload("pref")
 

@@ -16,7 +16,7 @@ import rank_jobs
 import torch
 from conftest import build_tiny_hf, hf_logits, random_tokens
 
-from megarl.config.schema import ParallelConfig
+from megarl.config.schema import OptimizerConfig, ParallelConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -99,6 +99,30 @@ def test_cuda_training_step_starts_at_the_transformers_loss_and_lowers_it(dtype,
     losses = _one(pools.get(1).run(rank_jobs.gpu_train_losses, hf_dir=str(te_model), tokens=tokens, dtype=dtype))
     assert abs(losses[0] - expected.item()) <= tol, (losses, expected.item())
     assert losses[-1] < losses[0]
+
+
+def test_cuda_sft_and_dpo_steps_equal_their_oracles(pools, te_model):
+    """The supervised stages' updates on CUDA (FP32): SFT's loss is transformers' mean NLL of the
+    completion tokens; DPO against its own starting point as the reference loses exactly log 2."""
+    import math
+
+    from megarl.config.supervised import DpoConfig
+
+    tokens = random_tokens(batch=4, seq=48, vocab=512, seed=5)
+    mask = torch.zeros(4, 47)
+    mask[:, 20:] = 1.0  # the completion: tokens 21.. are trained on
+    logits = hf_logits(te_model, tokens)[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), tokens[:, 1:].reshape(-1), reduction="none")
+    expected = (nll * mask.reshape(-1)).sum() / mask.sum()
+    batch = {"tokens": tokens, "mask": mask, "seq_lens": torch.full((4,), 48), "denoms": [float(mask.sum())]}
+    optim = vars(OptimizerConfig(lr=1e-4))
+    sft = _one(pools.get(1).run(rank_jobs.preference_step, kind="sft", model_dir=str(te_model),
+                                parallel=ParallelConfig(), batch=batch, optim=optim))["steps"][0]
+    assert abs(sft["sft_loss"] - expected.item()) <= 1e-4, (sft, expected.item())
+    dpo = _one(pools.get(1).run(rank_jobs.preference_step, kind="dpo", model_dir=str(te_model),
+                                ref_dir=str(te_model), parallel=ParallelConfig(), batch=batch | {"denoms": [2.0]},
+                                optim=optim, settings=DpoConfig(beta=0.5)))["steps"][0]
+    assert abs(dpo["dpo_loss"] - math.log(2)) <= 1e-5 and abs(dpo["dpo/margin"]) <= 1e-5, dpo
 
 
 def test_cuda_vocab_parallel_logprobs_use_a_quarter_of_the_naive_memory(pools):

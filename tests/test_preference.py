@@ -21,6 +21,9 @@ from megarl.config.supervised import DpoConfig
 trl = pytest.importorskip("trl")
 
 LAYOUTS = [ParallelConfig(world_size=1), ParallelConfig(tp=2, pp=2, world_size=4)]
+# context parallelism: each rank holds 2 of 2 cp chunks of every row (megarl.platform.cp_attention)
+CP_LAYOUTS = [ParallelConfig(cp=2, world_size=2),
+              ParallelConfig(tp=2, cp=2, pp=1, sequence_parallel=True, world_size=4)]
 SUMS = [(1, 2), (3, 4), (5, 6), (7, 8)]
 OPTIM = vars(OptimizerConfig(lr=1e-4))
 
@@ -115,9 +118,8 @@ def test_kto_formula_by_hand():
         "dpo.undesirable_weight must be a positive number, got -1"]
 
 
-@pytest.mark.parametrize("loss_type,layout", [("sigmoid", LAYOUTS[0]), ("ipo", LAYOUTS[0]), ("sigmoid", LAYOUTS[1])],
-                         ids=["sigmoid-tp1", "ipo-tp1", "sigmoid-tp2pp2"])
-def test_dpo_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, loss_type, layout):
+def _dpo_case(tmp_path, policy_dir, reference_dir, loss_type: str) -> tuple[float, dict]:
+    """TRL's DPO loss of its first batch, and megarl's step arguments for the same rows."""
     import transformers
     from datasets import Dataset
 
@@ -131,9 +133,16 @@ def test_dpo_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, loss_ty
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, dict(batch)).item()
     rows = _interleave(batch)
-    ours = _step(pools, layout, kind="dpo", model_dir=str(policy_dir), ref_dir=str(reference_dir),
-                 settings=DpoConfig(beta=0.5, loss_type=loss_type),
-                 batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["completion_mask"], 4))
+    return expected, dict(kind="dpo", model_dir=str(policy_dir), ref_dir=str(reference_dir),
+                          settings=DpoConfig(beta=0.5, loss_type=loss_type),
+                          batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["completion_mask"], 4))
+
+
+@pytest.mark.parametrize("loss_type,layout", [("sigmoid", LAYOUTS[0]), ("ipo", LAYOUTS[0]), ("sigmoid", LAYOUTS[1])],
+                         ids=["sigmoid-tp1", "ipo-tp1", "sigmoid-tp2pp2"])
+def test_dpo_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, loss_type, layout):
+    expected, step = _dpo_case(tmp_path, policy_dir, reference_dir, loss_type)
+    ours = _step(pools, layout, **step)
     assert ours["dpo_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
     assert 0.0 <= ours["dpo/accuracy"] <= 1.0 and ours["grad_norm"] > 0
 
@@ -221,8 +230,8 @@ def test_unpaired_kto_rows_equal_trl(tmp_path, policy_dir):
     assert our_rows(kto_kl_rows(examples, pad_id=0, max_len=128)) == trl_rows("KL_")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])
-def test_sft_loss_equals_trl(pools, tmp_path, policy_dir, layout):
+def _sft_case(tmp_path, policy_dir) -> tuple[float, dict]:
+    """TRL's SFT loss (completion tokens only) of its first batch, and megarl's step arguments."""
     import transformers
     from datasets import Dataset
 
@@ -236,9 +245,15 @@ def test_sft_loss_equals_trl(pools, tmp_path, policy_dir, layout):
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, dict(batch)).item()
     completion = (batch["labels"] != -100).long()
-    ours = _step(pools, layout, kind="sft", model_dir=str(policy_dir),
-                 batch=_megarl_batch(batch["input_ids"], batch["attention_mask"], completion,
-                                     float(completion[:, 1:].sum())))
+    return expected, dict(kind="sft", model_dir=str(policy_dir),
+                          batch=_megarl_batch(batch["input_ids"], batch["attention_mask"], completion,
+                                              float(completion[:, 1:].sum())))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])
+def test_sft_loss_equals_trl(pools, tmp_path, policy_dir, layout):
+    expected, step = _sft_case(tmp_path, policy_dir)
+    ours = _step(pools, layout, **step)
     assert ours["sft_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
 
 
@@ -259,8 +274,8 @@ def reward_dir(tmp_path_factory, smollm2, policy_dir):
     return with_smollm2_tokenizer(path, smollm2)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])
-def test_reward_model_loss_equals_trl(pools, tmp_path, reward_dir, layout):
+def _rm_case(tmp_path, reward_dir) -> tuple[float, dict]:
+    """TRL's Bradley-Terry loss of its first batch, and megarl's step arguments."""
     import transformers
     from datasets import Dataset
 
@@ -273,6 +288,39 @@ def test_reward_model_loss_equals_trl(pools, tmp_path, reward_dir, layout):
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, dict(batch)).item()
     rows = _interleave({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
-    ours = _step(pools, layout, kind="rm", model_dir=str(reward_dir),
-                 batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["attention_mask"], 4))
+    return expected, dict(kind="rm", model_dir=str(reward_dir),
+                          batch=_megarl_batch(rows["input_ids"], rows["attention_mask"], rows["attention_mask"], 4))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp1", "tp2pp2"])
+def test_reward_model_loss_equals_trl(pools, tmp_path, reward_dir, layout):
+    expected, step = _rm_case(tmp_path, reward_dir)
+    ours = _step(pools, layout, **step)
     assert ours["rm_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo"])
+def test_context_parallel_steps_equal_trl_and_the_unsplit_step(pools, tmp_path, policy_dir, reference_dir,
+                                                               reward_dir, stage):
+    """At cp 2 and at tp 2 x cp 2 with sequence parallelism (each rank attending with its 2 of 4
+    chunks of every row): the loss equals TRL's, the gradient norm equals the unsplit step's, and
+    so do the updated model's log-probs (a reward model: its scores) of the batch."""
+    loss = {"sft": "sft_loss", "rm": "rm_loss", "dpo": "dpo_loss"}[stage]
+    expected, step = {"sft": lambda: _sft_case(tmp_path, policy_dir), "rm": lambda: _rm_case(tmp_path, reward_dir),
+                      "dpo": lambda: _dpo_case(tmp_path, policy_dir, reference_dir, "sigmoid")}[stage]()
+    batch = step["batch"]
+    if batch["tokens"].shape[1] % 4 == 0:  # a width 2 cp chunks do not split: the micro-batches pad it
+        batch["tokens"] = torch.cat([batch["tokens"], batch["tokens"][:, -1:] * 0], dim=1)
+        batch["mask"] = torch.cat([batch["mask"], batch["mask"][:, -1:] * 0], dim=1)
+
+    def run(layout):
+        (out,) = [r for r in pools.get(layout.world_size).run(rank_jobs.preference_step, parallel=layout,
+                                                               optim=OPTIM, after=True, **step) if r is not None]
+        return out["steps"][0], out["after"]
+
+    unsplit, unsplit_after = run(LAYOUTS[0])
+    for layout in CP_LAYOUTS:
+        split, split_after = run(layout)
+        assert split[loss] == pytest.approx(expected, abs=2e-5), (layout, split, expected)
+        assert split["grad_norm"] == pytest.approx(unsplit["grad_norm"], rel=1e-4), (layout, split, unsplit)
+        torch.testing.assert_close(split_after, unsplit_after, atol=2e-5, rtol=0)

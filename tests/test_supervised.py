@@ -159,6 +159,12 @@ def test_settings_are_refused_with_their_field(tmp_path, policy, capsys):
     assert "dpo.beta must be a positive number" in err and "model.micro_batch_size=3 must be even" in err
     assert main(["dpo", str(recipe), "--check"]) == 0
     assert "8 training and 4 held-out examples, 3 steps of 4 pairs" in capsys.readouterr().out
+    # context parallelism splits right-padded rows (tests/test_preference.py -k context_parallel)
+    assert main(["dpo", str(recipe), "model.parallel.cp=2", "model.parallel.world_size=2", "--check"]) == 0
+    capsys.readouterr()
+    assert main(["sft", str(_recipe(tmp_path, "packed", policy, _write_jsonl(tmp_path / "sft.jsonl", _sft_records(8)))),
+                 "model.parallel.cp=2", "model.parallel.world_size=2", "model.pack_sequences=true"]) == 2
+    assert "model.pack_sequences needs model.parallel.cp=1" in capsys.readouterr().err
 
 
 def test_parquet_rows_are_records_and_a_bad_row_is_named(tmp_path, policy):

@@ -32,6 +32,8 @@ class RankInfo:
     ep: int
     etp_rank: int = 0  # rank among those splitting each of this rank's experts
     etp: int = 1
+    cp_rank: int = 0  # which share of each sequence this rank holds (context parallelism)
+    cp: int = 1
 
 
 def rank_info() -> RankInfo:
@@ -50,6 +52,8 @@ def rank_info() -> RankInfo:
         ep=ps.get_expert_model_parallel_world_size(),
         etp_rank=ps.get_expert_tensor_parallel_rank(),
         etp=ps.get_expert_tensor_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp=ps.get_context_parallel_world_size(),
     )
 
 

@@ -133,7 +133,9 @@ def rows_forward(chunk, inputs: dict) -> torch.Tensor:
 
 def rows_output(output: torch.Tensor, inputs: dict) -> torch.Tensor:
     """The last stage's output ``[rows, width, ...]`` whatever layout the model ran in (THD: one row);
-    logits of selected positions (``inputs["select"]``) stay ``[1, n, vocab/tp]``."""
+    logits of selected positions (``inputs["select"]``) stay ``[1, n, vocab/tp]``. Under context
+    parallelism (``inputs["cp"]``) it is this rank's share ``[rows, width / cp, ...]``: the rank
+    functions gather per-token results, not outputs (``megarl.models.context_parallel``)."""
     if inputs.get("select") is not None:
         return output
     return output.reshape(*inputs["shape"], *output.shape[2:])

@@ -172,7 +172,8 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
     post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(**family_of(spec.arch).layer_spec_kwargs(spec.arch)),
+        transformer_layer_spec=gpt_layer_spec(**family_of(spec.arch).layer_spec_kwargs(spec.arch),
+                                              context_parallel=spec.parallel.cp > 1),
         vocab_size=spec.padded_vocab,
         max_sequence_length=spec.arch.max_position_embeddings,
         pre_process=pre,
@@ -183,6 +184,10 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
         vp_stage=vp_stage,
     )
     _rope_inv_freq(model, spec.arch)
+    if spec.parallel.cp > 1 and getattr(model, "rotary_pos_emb", None) is not None:
+        # The rotary angles of the whole sequence; each micro-batch picks its tokens' own
+        # (``rope_at`` with ``context_parallel.CpSplit.positions``), as packed rows do.
+        model.rotary_pos_emb.cp_group = None
     _norms_in_params_dtype(model, config.params_dtype)
     if spec.value_head and post:
         model.output_layer = ValueHead(config, spec.arch.hidden_size)

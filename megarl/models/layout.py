@@ -10,8 +10,9 @@ from megarl.config.schema import ParallelConfig
 from megarl.models.hf_arch import ModelArch
 
 
-def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[str]:
-    """Layout problems of ``par`` for ``arch``; ``where`` prefixes field names (e.g. 'actor.parallel')."""
+def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str, context_parallel: bool = False) -> list[str]:
+    """Layout problems of ``par`` for ``arch``; ``where`` prefixes field names (e.g. 'actor.parallel').
+    ``context_parallel``: the caller splits sequences over cp ranks (the supervised stages do)."""
     errors = []
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(par, name) < 1:
@@ -26,9 +27,12 @@ def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str) -> list[st
     if arch.ffn_hidden_size % par.tp and not (arch.is_moe and par.etp is not None):
         errors.append(f"{where}.tp={par.tp} does not divide intermediate_size={arch.ffn_hidden_size}")
     errors += _pipeline_errors(arch, par, where)
-    if par.cp > 1:  # refused, not run wrong: megatron-core expects each cp rank's share of every sequence
-        errors.append(f"{where}.cp={par.cp}: context parallelism is not implemented yet (megarl does not split "
-                      "sequences over context-parallel ranks, and the CPU platform's attention refuses it); use cp=1")
+    if par.cp > 1 and not context_parallel:  # refused, not run wrong: nothing here splits the sequences
+        errors.append(f"{where}.cp={par.cp}: context parallelism runs in megarl sft / rm / dpo; the RL roles, "
+                      "convert and the benchmarks do not split sequences over context-parallel ranks; use cp=1")
+    elif par.cp > 1 and arch.is_moe:
+        errors.append(f"{where}.cp={par.cp}: context parallelism of a mixture-of-experts model is not supported "
+                      "yet; use cp=1")
     if par.sequence_parallel and par.tp == 1:
         errors.append(f"{where}.sequence_parallel=true needs tp > 1")
     if par.ep > 1 and not arch.is_moe:

@@ -23,7 +23,8 @@ import torch
 @contextlib.contextmanager
 def rope_at(chunk, positions: torch.Tensor | None) -> Iterator[None]:
     """Within the block, ``chunk`` rotates token ``[b, s]`` by angle ``positions[b, s]`` (long [b, s],
-    each < s), for every row separately."""
+    each below the angles' length: ``s``, or the whole sequence's under context parallelism), for
+    every row separately (a ``[1, s]`` ``positions`` serves every row)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     rope = get_attr_wrapped_model(chunk, "rotary_pos_emb", allow_none=True) if positions is not None else None
@@ -33,8 +34,8 @@ def rope_at(chunk, positions: torch.Tensor | None) -> Iterator[None]:
 
     def at_positions(module, args, output):
         angles = output[:, 0, 0, :]  # [s, dim]: the angles of positions 0..s-1
-        if positions.shape[1] != angles.shape[0]:
-            raise ValueError(f"rotary angles for {angles.shape[0]} positions, rows of {positions.shape[1]}")
+        if int(positions.max()) >= angles.shape[0]:
+            raise ValueError(f"rotary angles for {angles.shape[0]} positions, a token at {int(positions.max())}")
         return angles[positions.t().to(angles.device)].unsqueeze(2)  # [s, b, 1, dim]
 
     hook = rope.register_forward_hook(at_positions)

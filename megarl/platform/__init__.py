@@ -174,14 +174,17 @@ def init_megatron_runtime() -> list[str]:
     return cpu_shims.apply_all(only_without_te=platform.is_gpu)
 
 
-def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False):
-    """megatron-core layer spec for this platform: Transformer Engine on GPU, local on CPU."""
+def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False, context_parallel: bool = False):
+    """megatron-core layer spec for this platform: Transformer Engine on GPU, local on CPU. With
+    ``context_parallel`` the local spec's attention is ``cp_attention``'s (Transformer Engine's
+    splits the sequence itself)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if current_platform().layer_spec_kind == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm
         )
+    from megarl.platform.cp_attention import ContextParallelAttention
     from megarl.platform.sdpa_attention import SDPAttention
 
     spec = specs.get_gpt_layer_local_spec(
@@ -191,5 +194,6 @@ def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False):
         normalization="RMSNorm",
     )
     # torch's fused attention kernel in place of the local one (see sdpa_attention)
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    attention = ContextParallelAttention if context_parallel else SDPAttention
+    spec.submodules.self_attention.submodules.core_attention = attention
     return spec

@@ -46,6 +46,9 @@ def _batch_errors(cfg: SupervisedConfig) -> list[str]:
     if per_step and rows % per_step:
         errors.append(f"data.batch_size={cfg.data.batch_size} gives {rows} sequences per step, not a multiple of "
                       f"model.micro_batch_size x data-parallel ranks = {per_step}")
+    if role.parallel.cp > 1 and role.pack_sequences:
+        errors.append(f"model.pack_sequences needs model.parallel.cp=1 (packed rows are not split over "
+                      f"context-parallel ranks; cp={role.parallel.cp} splits right-padded rows)")
     if cfg.stage == "dpo" and cfg.dpo.loss_type == "kto":  # unpaired rows: any micro-batching
         if cfg.data.batch_size < 2:
             errors.append("data.batch_size must be at least 2 for dpo.loss_type kto: its KL rows pair each prompt "
@@ -74,7 +77,8 @@ def validate_supervised(cfg: SupervisedConfig, platform: Platform | None = None)
             roles["reference"] = cfg.reference
     elif cfg.reference is not None:
         errors.append(f"reference is set but {cfg.stage} uses no reference model (dpo does)")
-    role_errors = [e for name, role in roles.items() for e in role_model_errors(name, role, platform)[1]]
+    role_errors = [e for name, role in roles.items()
+                   for e in role_model_errors(name, role, platform, context_parallel=True)[1]]
     errors += role_errors
     errors += _source_errors("data.train", cfg.data.train)
     if cfg.data.eval:

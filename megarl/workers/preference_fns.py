@@ -84,7 +84,7 @@ def train_reward_model(key: str, batch: dict[str, Any], algo: None, optim: dict,
 
     def loss_fn(output, mb):
         _pair_rows(mb)
-        values = rows_output(output, mb["inputs"])
+        values = rl_fns._positions(rows_output(output, mb["inputs"]), mb)
         scores = values[mb["seq_row"], mb["seq_start"] + mb["seq_lens"] - 1, 0].float()
         margin = mb["margin"][0::2] if "margin" in mb else None
         loss, out = bradley_terry_loss(scores[0::2], scores[1::2], mb["denom"], margin)

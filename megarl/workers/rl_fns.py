@@ -11,6 +11,7 @@ micro-batch to the algorithm (``megarl.algorithms``) as a typed micro-batch.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from megarl.algorithms.base import VALUE_METRICS, Metric, PolicyMicroBatch, ValueMicroBatch, combine
 from megarl.algorithms.registry import get_algorithm
 from megarl.config.schema import AlgorithmConfig
+from megarl.models.context_parallel import CpSplit
 from megarl.models.logprobs import next_token_logprobs
 from megarl.models.vocab_parallel import vocab_parallel_stats
 from megarl.workers.megatron_model import HeldModel, held
@@ -79,7 +81,8 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
     share = share and select and par.cp == 1 and current_platform().layer_spec_kind != "te"
     trimmed = max_tokens is not None or pack or share
     lengths = _lengths(shard, width) if trimmed else [width] * n
-    multiple = par.tp if par.sequence_parallel else 1
+    # the sequence dimension splits over tp (sequence parallelism) and into 2 cp chunks
+    multiple = (par.tp if par.sequence_parallel else 1) * (2 * par.cp if par.cp > 1 else 1)
     device = next(model.chunks[0].parameters()).device
     if share:
         prompts = _prompt_lens(shard, lengths)
@@ -88,6 +91,8 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
         plans = plan_shared_prompts(lengths, prompts, same, micro_batch_size, max_tokens, multiple)
     else:
         plans = plan_microbatches(lengths, width, micro_batch_size, max_tokens, pack, multiple)
+    if par.cp > 1:  # fixed rows keep the batch's width: pad it to what splits
+        plans = [replace(plan, width=-(-plan.width // multiple) * multiple) for plan in plans]
     out = []
     for plan in plans:
         index = torch.tensor(plan.index)
@@ -113,7 +118,11 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
         mb["inputs"] = rows_inputs(mb["tokens"], plan)
         if "routes" in mb:
             mb["inputs"] |= {"routes": mb.pop("routes"), "route_valid": mb.pop("route_valid")}
-        if select and par.cp == 1:  # context parallelism splits the sequence: every position stays
+        if par.cp > 1:  # every position stays: each rank computes its share of them
+            mb["inputs"] = CpSplit(par.cp, model.info.cp_rank, plan.width).inputs(mb["inputs"])
+            if select:  # the results outside the selection are 0, as when selected
+                mb["cp_keep"] = mb["valid"] & _responses(mb)
+        elif select:
             _select_labels(mb, plan, tokens[index, 1:labels + 1].to(device))
         out.append(mb)
     return out
@@ -194,6 +203,15 @@ def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: 
     temperature = mb.get("temperature", 1.0)
     if temperature != 1.0:  # skipped at 1: the division would copy the logits for nothing
         logits = logits / temperature
+    if (split := mb["inputs"].get("cp")) is not None:  # this rank's positions: gather the numbers
+        lp, ent = vocab_parallel_stats(logits, split.next_tokens(mb["tokens"]), vocab, entropy=entropy)
+        keep = mb.get("cp_keep", mb["valid"])
+
+        def place(x):
+            x = _per_label(split.gather(x)[:, :-1], mb)
+            return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+        return (place(lp), place(ent)) if entropy else place(lp)
     if "selected_at" in mb:
         lp, ent = vocab_parallel_stats(logits[0], mb["selected_labels"], vocab, entropy=entropy)
         b, t = mb["valid"].shape
@@ -207,6 +225,13 @@ def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: 
         return _per_label(next_token_logprobs(logits, mb["tokens"], vocab), mb)
     lp, ent = next_token_logprobs(logits, mb["tokens"], vocab, entropy=True)
     return _per_label(lp, mb), _per_label(ent, mb)
+
+
+def _positions(output: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+    """A per-position output ``[rows, width, ...]`` (a value head's): under context parallelism the
+    model gives each rank its share, gathered here (logits never are: ``_label_stats``)."""
+    split = mb["inputs"].get("cp")
+    return output if split is None else split.gather(output)
 
 
 def _scatter(results: list, mbs: list[dict[str, Any]], n: int, width: int) -> Any:
@@ -231,7 +256,7 @@ def _scatter(results: list, mbs: list[dict[str, Any]], n: int, width: int) -> An
 def _reporting(model: HeldModel) -> bool:
     from megatron.core import parallel_state as ps
 
-    return ps.is_pipeline_last_stage(ignore_virtual=True) and model.info.tp_rank == 0
+    return ps.is_pipeline_last_stage(ignore_virtual=True) and model.info.tp_rank == model.info.cp_rank == 0
 
 
 def gather_shards(results: list) -> Any:
@@ -299,7 +324,7 @@ def values(key: str, batch: RankBatch | dict[str, Any], micro_batch_size: int,
            max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False, share_prompt: bool = False):
     """Critic values of the state before each label position [B, L-1]. (Value heads read every
     position, so ``share_prompt``, a policy-side saving, does not apply.)"""
-    return _forward(key, batch, micro_batch_size, lambda v, mb: _per_label(v[:, :-1, 0], mb).float(),
+    return _forward(key, batch, micro_batch_size, lambda v, mb: _per_label(_positions(v, mb)[:, :-1, 0], mb).float(),
                     max_tokens_per_microbatch, pack_sequences)
 
 
@@ -307,7 +332,7 @@ def scores(key: str, batch: RankBatch | dict[str, Any], micro_batch_size: int,
            max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False, share_prompt: bool = False):
     """Reward-model score of each sequence [B]: the value head at its last token."""
     def head(v, mb):
-        return v[mb["seq_row"], mb["seq_start"] + mb["seq_lens"] - 1, 0].float()
+        return _positions(v, mb)[mb["seq_row"], mb["seq_start"] + mb["seq_lens"] - 1, 0].float()
 
     return _forward(key, batch, micro_batch_size, head, max_tokens_per_microbatch, pack_sequences)
 
@@ -454,7 +479,7 @@ def train_value(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmConf
     algorithm = get_algorithm(cfg.name)
 
     def loss_fn(output, mb):
-        values = _per_label(rows_output(output, mb["inputs"])[:, :-1, 0], mb).float()
+        values = _per_label(_positions(rows_output(output, mb["inputs"]), mb)[:, :-1, 0], mb).float()
         step = ValueMicroBatch(values=values, old_values=mb["old_values"], returns=mb["returns"], mask=mb["mask"],
                                denom=mb["denom"], norm_len=mb.get("norm_len"))
         loss, out = algorithm.value_loss(cfg, step)
