@@ -30,6 +30,7 @@ The model counts what megarl's megatron-core setup allocates (``megarl.models.gp
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -182,11 +183,19 @@ def grad_buffer_numel(tensors: list[int], dp: int, distributed_optimizer: bool) 
         return 0
     if not distributed_optimizer:
         return sum(tensors)
+    end = _aligned_end(tuple(tensors))
+    divisor = math.lcm(dp, 128)
+    return -(-end // divisor) * divisor
+
+
+@functools.lru_cache(maxsize=4096)
+def _aligned_end(tensors: tuple[int, ...]) -> int:
+    """Where the last of ``tensors`` ends, each starting at a multiple of 64. Cached: a plan search
+    asks for the same stages' tensors under thousands of layouts (dp, microbatches, recompute)."""
     end = 0
     for n in tensors:
         end = -(-end // 64) * 64 + n
-    divisor = math.lcm(dp, 128)
-    return -(-end // divisor) * divisor
+    return end
 
 
 def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload) -> float:

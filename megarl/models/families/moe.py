@@ -133,7 +133,4 @@ class RoutedExperts:
     def mlp_params(self, arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
         # the router (replicated) is dense; each of this rank's experts is an etp-split SwiGLU
         h, ffn = arch.hidden_size, arch.ffn_hidden_size // (tp if etp is None else etp)
-        expert: list[int] = []
-        for _ in range(arch.num_experts // ep):
-            expert += [2 * ffn * h, ffn * h]
-        return [arch.num_experts * h], expert
+        return [arch.num_experts * h], [2 * ffn * h, ffn * h] * (arch.num_experts // ep)
