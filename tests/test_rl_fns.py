@@ -76,7 +76,10 @@ def test_policy_update_matches_transformers_at_every_layout(pools, tiny_models):
     on_policy["select_mask"] = batch["mask"]
     for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, world_size=4),
                 ParallelConfig(tp=2, world_size=4, sequence_parallel=True),
-                ParallelConfig(tp=2, pp=2, world_size=4)):
+                ParallelConfig(tp=2, pp=2, world_size=4),
+                # context parallelism: dp 2 x cp 2, and tp 2 x cp 2 with sequence parallelism
+                ParallelConfig(cp=2, world_size=4),
+                ParallelConfig(tp=2, cp=2, world_size=4, sequence_parallel=True)):
         pool = pools.get(4)
         # with the old log-probs given (off-policy form), and on-policy (the update's own, detached)
         for given in (batch, on_policy):

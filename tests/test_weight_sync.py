@@ -84,6 +84,28 @@ def test_sync_after_a_training_step(family, tp, pp, rollout_tp, actor4, engines,
     assert verified.max_abs_logprob_diff <= TOL
 
 
+def test_sync_from_a_context_parallel_actor(actor4, engines, rollout_model, tmp_path):
+    """tp 2 x cp 2: the context-parallel ranks hold copies of their shards and only the first of
+    each sends (bytes ratio 1); after the sync vLLM's log-probs equal the actor's, which runs its
+    2 of 4 chunks of every row (30 tokens: padded to split) and gathers the outputs. The actor
+    starts from moved weights, so only the sync makes them agree."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(rollout_model, dtype=torch.float32)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    model.save_pretrained(tmp_path / "moved")
+    actor4.run(megatron_model.load, key="actor", source=str(tmp_path / "moved"),
+               parallel=ParallelConfig(tp=2, cp=2, world_size=4))
+    report, verified = _sync_and_verify(actor4, engines["tiny-tp1"], random_tokens(batch=2, seq=30))
+    assert report.received == report.needed and report.bytes_ratio == 1.0
+    assert report.checksum_mismatches == []
+    assert verified.max_abs_logprob_diff <= TOL
+
+
 def test_sync_while_the_engine_sleeps(actor4, engines, rollout_model):
     """The colocated order: sleep for training, wake the weights, sync, then the KV cache."""
     import ray

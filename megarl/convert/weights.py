@@ -62,13 +62,12 @@ def export_hf_tensors(chunks: list, spec: ModelSpec, info: RankInfo,
 
     Ranks send their shards to rank 0 one parameter at a time; rank 0 keeps only the
     HF tensors still missing pieces, so it holds at most about one layer beyond its
-    own shards. Data-parallel replicas (dp_rank > 0) send nothing.
+    own shards. Replicas (data- and context-parallel ranks past the first) send nothing.
     """
     layout = shard_layout(spec, info)
     mine = {}
     for name, param in canonical_parameters(chunks, spec, info):
-        replica = info.edp_rank if ".local_experts." in name else info.dp_rank
-        if replica != 0:
+        if info.replica(expert=".local_experts." in name) != 0:
             continue
         if name == "output_layer.weight" and spec.arch.tie_embeddings and not spec.value_head:
             continue  # the tied copy on the last stage; the embedding carries it

@@ -35,6 +35,12 @@ class RankInfo:
     cp_rank: int = 0  # which share of each sequence this rank holds (context parallelism)
     cp: int = 1
 
+    def replica(self, expert: bool = False) -> int:
+        """Which copy of its shards this rank holds (0: the one that sends them in a weight sync or
+        an export). Dense shards are copied over data x context parallelism; an expert's over its
+        expert-data-parallel group."""
+        return self.edp_rank if expert else self.dp_rank * self.cp + self.cp_rank
+
 
 def rank_info() -> RankInfo:
     from megatron.core import parallel_state as ps

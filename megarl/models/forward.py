@@ -19,18 +19,34 @@ def forward_outputs(chunks: list, microbatches: list[torch.Tensor]) -> list[torc
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.models.context_parallel import CpSplit
+    from megarl.models.rope_positions import rope_at
+
     device = next(chunks[0].parameters()).device
     batches = [mb.to(device) for mb in microbatches]
     shapes = {tuple(mb.shape) for mb in batches}
     if len(shapes) != 1:
         raise ValueError(f"all microbatches must have one shape, got {sorted(shapes)}")
     (batch, seq), = shapes
+    cp = ps.get_context_parallel_world_size()
+    # context parallelism: each rank runs its 2 of 2 cp chunks (the rows right-padded to split; causal
+    # attention keeps the padding out of the real positions) and the group gathers the outputs
+    width = -(-seq // (2 * cp)) * 2 * cp if cp > 1 else seq
+    split = CpSplit(cp, ps.get_context_parallel_rank(), width) if cp > 1 else None
 
     def step(data_iterator, model):
         tokens = next(data_iterator)
-        output = model(tokens, _position_ids(tokens), None)
+        if split is None:
+            output = model(tokens, _position_ids(tokens), None)
+        else:
+            padded = torch.nn.functional.pad(tokens, (0, width - seq))
+            positions = split.positions.to(device)
+            with rope_at(model, positions.unsqueeze(0)):
+                output = model(padded[:, positions], _position_ids(padded)[:, positions], None)
 
         def collect(out):
+            if split is not None:
+                out = split.gather(out)[:, :seq]
             return out.new_zeros(()), {"output": out.detach()}
 
         return output, collect
@@ -44,7 +60,7 @@ def forward_outputs(chunks: list, microbatches: list[torch.Tensor]) -> list[torc
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks,
             num_microbatches=len(batches),
-            seq_length=seq,
+            seq_length=width // cp,
             micro_batch_size=batch,
             forward_only=True,
         )

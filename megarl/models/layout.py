@@ -12,7 +12,7 @@ from megarl.models.hf_arch import ModelArch
 
 def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str, context_parallel: bool = False) -> list[str]:
     """Layout problems of ``par`` for ``arch``; ``where`` prefixes field names (e.g. 'actor.parallel').
-    ``context_parallel``: the caller splits sequences over cp ranks (the supervised stages do)."""
+    ``context_parallel``: the caller splits sequences over cp ranks (the roles' rank functions do)."""
     errors = []
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(par, name) < 1:
@@ -28,8 +28,8 @@ def parallel_errors(arch: ModelArch, par: ParallelConfig, where: str, context_pa
         errors.append(f"{where}.tp={par.tp} does not divide intermediate_size={arch.ffn_hidden_size}")
     errors += _pipeline_errors(arch, par, where)
     if par.cp > 1 and not context_parallel:  # refused, not run wrong: nothing here splits the sequences
-        errors.append(f"{where}.cp={par.cp}: context parallelism runs in megarl sft / rm / dpo; the RL roles, "
-                      "convert and the benchmarks do not split sequences over context-parallel ranks; use cp=1")
+        errors.append(f"{where}.cp={par.cp}: context parallelism runs in the roles of megarl train / sft / rm / "
+                      "dpo; convert and the benchmarks do not split sequences over context-parallel ranks; use cp=1")
     elif par.cp > 1 and arch.is_moe:
         errors.append(f"{where}.cp={par.cp}: context parallelism of a mixture-of-experts model is not supported "
                       "yet; use cp=1")

@@ -1,8 +1,8 @@
 """The Megatron side of a weight sync: which shards a rank sources, and sending them.
 
-Only data-parallel rank 0 of each (tp, pp[, ep]) coordinate sources weights (the
-other replicas hold the same values), and the tied output layer of the last
-pipeline stage is left to the embedding it copies.
+Only the first replica of each (tp, pp[, ep]) coordinate sources weights (the other
+data- and context-parallel ranks hold the same values, ``RankInfo.replica``), and the
+tied output layer of the last pipeline stage is left to the embedding it copies.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ def source_tensors(chunks: list, spec: ModelSpec, info: RankInfo) -> dict[str, t
     """Canonical name → tensor of every shard this rank sources (empty for replicas)."""
     out = {}
     for name, param in canonical_parameters(chunks, spec, info):
-        replica = info.edp_rank if ".local_experts." in name else info.dp_rank
-        if replica != 0:
+        if info.replica(expert=".local_experts." in name) != 0:
             continue
         if name == "output_layer.weight" and spec.arch.tie_embeddings and not spec.value_head:
             continue

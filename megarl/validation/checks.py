@@ -101,11 +101,9 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
     return archs
 
 
-def role_model_errors(name: str, role: RoleConfig, platform: Platform, context_parallel: bool = False
-                      ) -> tuple[ModelArch | None, list[str]]:
+def role_model_errors(name: str, role: RoleConfig, platform: Platform) -> tuple[ModelArch | None, list[str]]:
     """A role's architecture (from its model path, or its declared ``model.arch``) and the problems
-    of its model, layout and precision; the architecture is None when it cannot be read.
-    ``context_parallel``: the role's work splits sequences over cp ranks (the supervised stages')."""
+    of its model, layout and precision; the architecture is None when it cannot be read."""
     from megarl.convert.checkpoint import read_model_arch  # reads HF dirs and megarl checkpoints
 
     errors: list[str] = []
@@ -132,7 +130,8 @@ def role_model_errors(name: str, role: RoleConfig, platform: Platform, context_p
         arch = arch or declared
     else:
         errors += weights_errors(name, role.model.path, arch)
-    errors += parallel_errors(arch, role.parallel, f"{name}.parallel", context_parallel)
+    # a role's rank functions split sequences over context-parallel ranks (megarl.models.context_parallel)
+    errors += parallel_errors(arch, role.parallel, f"{name}.parallel", context_parallel=True)
     if name in ("actor", "critic", "model") and arch.is_moe and role.parallel.tp > 1 \
             and not role.parallel.sequence_parallel:
         # megatron-core refuses to train experts under tensor parallelism without it

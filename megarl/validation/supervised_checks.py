@@ -77,8 +77,7 @@ def validate_supervised(cfg: SupervisedConfig, platform: Platform | None = None)
             roles["reference"] = cfg.reference
     elif cfg.reference is not None:
         errors.append(f"reference is set but {cfg.stage} uses no reference model (dpo does)")
-    role_errors = [e for name, role in roles.items()
-                   for e in role_model_errors(name, role, platform, context_parallel=True)[1]]
+    role_errors = [e for name, role in roles.items() for e in role_model_errors(name, role, platform)[1]]
     errors += role_errors
     errors += _source_errors("data.train", cfg.data.train)
     if cfg.data.eval:

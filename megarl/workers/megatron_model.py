@@ -104,7 +104,7 @@ def token_logprobs(key: str, tokens: torch.Tensor) -> torch.Tensor | None:
         return None
     with torch.no_grad():
         result = logprobs_of(outputs[0][:, :-1], tokens[:, 1:], model.spec.arch.vocab_size).float().cpu()
-    return result if model.info.tp_rank == 0 and model.info.dp_rank == 0 else None
+    return result if model.info.tp_rank == 0 and model.info.replica() == 0 else None
 
 
 def lm_train_step(key: str, tokens: torch.Tensor, lr: float = 1e-3) -> float | None:
