@@ -196,3 +196,26 @@ def test_moe_token_exchange_by_hand():
     assert split.expert_dp == 1 and whole.expert_dp == 1 and Layout(tp=2, dp=4, ep=2, etp=1).expert_dp == 4
     # etp=1 holds each expert whole: twice the expert parameters of etp = tp = 2 on a rank
     assert sum(layer_tensors(arch, 2, 2, 1)[1]) == 2 * sum(layer_tensors(arch, 2, 2)[1])
+
+
+def test_long_sequences_plan_context_parallelism():
+    """Llama-3.1-8B's actor on 8 H100s: at the default 3k-token sequences context parallelism only
+    costs (its key/value exchange, fewer data-parallel ranks); at 131k tokens the fastest layout that
+    fits splits the sequences over cp ranks (activations and logits divide by cp)."""
+    from megarl.plan.hardware import Efficiency
+    from megarl.plan.search import best_trained
+    from megarl.plan.steptime import RLShape, context_parallel_exchange_s
+
+    arch, gpu = load_arch("llama3.1-8b"), gpu_spec("h100-80gb")
+    short = best_trained("actor", arch, 8, PlanInputs(gpu), 75 * GIB)
+    assert short[0].layout.cp == 1, short[0].layout
+    long = best_trained("actor", arch, 8, PlanInputs(gpu, rl=RLShape(prompts=8, response_len=131072)), 75 * GIB)
+    assert long[0].layout.cp > 1, long[0].layout
+    # the exchange by hand: each layer, 3 of 4 shares' keys and values (8 query groups of 128 over
+    # tp 2, bf16) come in, and their gradients go back, over NVLink at 450 GB/s x 0.7
+    per_token = 2 * 8 * 128 / 2 * 2
+    expected = 2 * 1e6 * 3 / 4 * per_token * 32 / (450e9 * 0.7)
+    got = context_parallel_exchange_s(arch, Layout(tp=2, cp=4, sequence_parallel=True), 1e6, gpu, Efficiency())
+    assert got == pytest.approx(expected)
+    assert all(p.layout.cp == 1 for p in best_trained("actor", load_arch("qwen3-30b-a3b"), 8, PlanInputs(gpu),
+                                                        80 * GIB))  # megarl's MoE models keep cp = 1

@@ -14,6 +14,7 @@ flattened, position-major; under sequence parallelism each tensor rank routes it
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,10 +44,19 @@ class CountingReplay(RouterReplay):
         return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
 
 
+# each chunk's replaying routers, found once (a chunk's modules do not change; DDP's wrapper is a
+# chunk of its own): ``replayed`` runs on every micro-batch's forward
+_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _routers(chunk: torch.nn.Module) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    return [m for m in chunk.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
+    found = _ROUTERS.get(chunk)
+    if found is None:
+        found = [m for m in chunk.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
+        _ROUTERS[chunk] = found
+    return found
 
 
 def install(chunks: list[torch.nn.Module]) -> int:

@@ -152,23 +152,28 @@ def pipeline_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | 
 
 
 def layouts(arch: ModelArch, gpus: int, gpu: GpuSpec) -> list[Layout]:
-    """Every (tp, pp, dp[, ep, etp]) of ``gpus`` ranks megatron-core can build for ``arch``: for an
-    MoE model at tp > 1, experts split tp ways (megatron-core's default) or kept whole (etp = 1,
-    which lets ep reach tp * dp ranks)."""
+    """Every (tp, cp, pp, dp[, ep, etp]) of ``gpus`` ranks megatron-core can build for ``arch``: for
+    an MoE model at tp > 1, experts split tp ways (megatron-core's default) or kept whole (etp = 1,
+    which lets ep reach tp * dp ranks). Context parallelism (dense models, as megarl runs it) stays
+    inside a node with tensor parallelism: its key/value exchange runs every layer."""
     out = []
     for tp in (t for t in (1, 2, 4, 8) if t <= gpu.gpus_per_node and gpus % t == 0 and _divides(arch, t)):
-        for pp in (p for p in range(1, min(arch.num_layers, gpus // tp) + 1) if (gpus // tp) % p == 0):
-            split = pipeline_split(arch.num_layers, pp)
-            if split is None:
-                continue
-            dp = gpus // (tp * pp)
-            for etp in (None, 1) if arch.is_moe and tp > 1 else (None,):
-                stage = dp * tp // (etp or tp)  # the ranks ep can spread over
-                eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if arch.is_moe and arch.num_experts % e == 0
-                       and stage % e == 0] or [1]
-                for ep in eps:
-                    out.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, sequence_parallel=tp > 1,
-                                      first_stage_layers=split[0], last_stage_layers=split[1]))
+        cps = [c for c in (1, 2, 4, 8) if c == 1 or (not arch.is_moe and tp * c <= gpu.gpus_per_node
+                                                      and gpus % (tp * c) == 0)]
+        for cp in cps:
+            for pp in (p for p in range(1, min(arch.num_layers, gpus // (tp * cp)) + 1)
+                       if (gpus // (tp * cp)) % p == 0):
+                split = pipeline_split(arch.num_layers, pp)
+                if split is None:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                for etp in (None, 1) if arch.is_moe and tp > 1 else (None,):
+                    stage = dp * tp // (etp or tp)  # the ranks ep can spread over
+                    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if arch.is_moe and arch.num_experts % e == 0
+                           and stage % e == 0] or [1]
+                    for ep in eps:
+                        out.append(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, sequence_parallel=tp > 1,
+                                          first_stage_layers=split[0], last_stage_layers=split[1]))
     return out
 
 
@@ -217,7 +222,7 @@ def smallest_trained(name: str, arch: ModelArch, gpus: int, inp: PlanInputs) -> 
 def best_scoring(name: str, arch: ModelArch, gpus: int, inp: PlanInputs, budget: float) -> list[RolePlan]:
     plans = []
     for layout in layouts(arch, gpus, inp.gpu):
-        if layout.ep > 1 or layout.etp is not None or layout.dp != gpus // (layout.tp * layout.pp):
+        if layout.ep > 1 or layout.etp is not None or layout.gpus != gpus:
             continue
         work = Workload(dtype=inp.dtype, micro_batch=inp.infer_micro_batch, seq_len=inp.rl.seq_len,
                         attention=inp.attention)

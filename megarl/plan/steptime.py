@@ -214,13 +214,27 @@ def training_s(arch: ModelArch, layout: Layout, micro_batch: int, cost: TrainCos
     # tensor parallelism: 4 all-reduces (2 forward, 2 backward) of each layer's hidden states,
     # over NVLink inside a node; each pipeline stage runs its layers for the dp shard's tokens.
     # An MoE layer's MLP half is the token exchange instead (moe_token_exchange_s).
-    tp_bytes = tokens / layout.dp * arch.num_layers / layout.pp * 4 * arch.hidden_size * 2
+    tp_bytes = tokens / (layout.dp * layout.cp) * arch.num_layers / layout.pp * 4 * arch.hidden_size * 2
     if arch.is_moe:
         tp_bytes /= 2
     tp_comm = tp_bytes * 2 * (layout.tp - 1) / layout.tp / (link_gbps(layout.tp, gpu) * 1e9 * eff.link_efficiency)
     steps = rl.minibatches * rl.ppo_epochs
-    return (compute * bubble + tp_comm + moe_token_exchange_s(arch, layout, tokens, gpu, eff) + p2p
+    return (compute * bubble + tp_comm + context_parallel_exchange_s(arch, layout, tokens, gpu, eff) + p2p
+            + moe_token_exchange_s(arch, layout, tokens, gpu, eff)
             + (comm + optimizer_offload_s(arch, layout, cost, gpu, eff)) * steps)
+
+
+def context_parallel_exchange_s(arch: ModelArch, layout: Layout, tokens: float, gpu: GpuSpec,
+                                eff: Efficiency) -> float:
+    """Context parallelism's traffic, per rank, not overlapped with compute (conservative): every
+    layer each rank receives the keys and values of the other cp - 1 shares of its sequences
+    (bf16, its tp share of the query groups) and, backward, sends their gradients the same way."""
+    if layout.cp == 1:
+        return 0.0
+    kv = 2 * arch.num_kv_heads * arch.head_dim / layout.tp * 2  # keys and values of one token, bf16
+    per_layer = tokens / layout.dp * (layout.cp - 1) / layout.cp * kv
+    return 2 * per_layer * arch.num_layers / layout.pp / (
+        link_gbps(layout.tp * layout.cp, gpu) * 1e9 * eff.link_efficiency)
 
 
 def expert_params(arch: ModelArch) -> float:

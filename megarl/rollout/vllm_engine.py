@@ -8,9 +8,11 @@ are tokenized by megarl's data layer, so the engine skips its tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,16 +132,14 @@ class VLLMEngine:
 
         self._check_version(sampling)
         started = time.perf_counter()
-        if self.routing_replay:
-            self._taken_routes()  # forget what other calls (scoring, checks) ran through the model
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed,
             logprobs=0 if sampling.logprobs else None, detokenize=False,
         )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
-        captured = self._taken_routes() if self.routing_replay else None
+        with self._routes_recorded() as captured:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False)
         results = []
         for prompt, output in zip(prompts, outputs, strict=True):
             samples = []
@@ -149,11 +149,22 @@ class VLLMEngine:
                             if sampling.logprobs else [])
                 reason = "stop" if completion.finish_reason == "stop" else "length"
                 samples.append(RolloutSample(list(prompt), ids, logprobs, reason))
-                if captured is not None:
+                if self.routing_replay:
                     samples[-1].routes = routes_of_samples(captured, list(prompt), ids)
             results.append(samples)
         self._generate_seconds += time.perf_counter() - started
         return results
+
+    @contextlib.contextmanager
+    def _routes_recorded(self) -> Iterator[dict]:
+        """R3: yields a dict that holds, after the block, the routes of what ran through the model in
+        it ({forwarded token ids: routes}, ``vllm_routes.unpack``); empty without routing replay."""
+        captured: dict = {}
+        if self.routing_replay:
+            self._taken_routes()  # forget what other calls (scoring, checks) ran through the model
+        yield captured
+        if self.routing_replay:
+            captured.update(self._taken_routes())
 
     def _taken_routes(self) -> dict:
         (taken,) = [t for t in self.llm.collective_rpc("megarl_take_routes") if t is not None]
@@ -212,14 +223,12 @@ class VLLMEngine:
         make_env, renderer = self._episode_setup(env, rewards)
         runner = EpisodeRunner(VLLMTurns(self.llm, self._tokenizer(), sampling), renderer, make_env, limits,
                                self._env_loop())
-        if self.routing_replay:
-            self._taken_routes()
         try:
-            episodes = runner.run(requests)
+            with self._routes_recorded() as captured:
+                episodes = runner.run(requests)
         finally:
             self._generate_seconds += time.perf_counter() - started
         if self.routing_replay:  # an episode's last turn ran every token before its last one
-            captured = self._taken_routes()
             for t in episodes:
                 t.routes = routes_of_samples(captured, t.prompt_ids, t.response_ids, t.response_mask)
         return episodes

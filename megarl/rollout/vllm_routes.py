@@ -85,26 +85,24 @@ class RouteCapture:
     def take(self) -> dict:
         """Every request seen since the last ``take``: its forwarded token ids and their routes
         ``[tokens, layers, k]`` (int16; -1 where a layer is dense), flattened for the RPC reply."""
-        tokens: dict[str, np.ndarray] = {}
-        routes: dict[str, np.ndarray] = {}
+        def rows():  # (request, its positions, the step, the step's rows) of every step
+            for step in self.steps:
+                for j, rid in enumerate(step.req_ids):
+                    lo, hi = int(step.starts[j]), int(step.starts[j + 1])
+                    if hi > lo:
+                        yield rid, step.positions[lo:hi], step, slice(lo, hi)
+
         for step in self.steps:
             self._to_host(step)
-            for j, rid in enumerate(step.req_ids):
-                lo, hi = int(step.starts[j]), int(step.starts[j + 1])
-                if hi <= lo:
-                    continue
-                pos = step.positions[lo:hi]
-                need = int(pos.max()) + 1
-                if rid not in tokens or len(tokens[rid]) < need:
-                    grown_t = np.full(max(need, 2 * len(tokens.get(rid, ()))), -1, dtype=np.int64)
-                    grown_r = np.full((len(grown_t), self.num_layers, self.topk), -1, dtype=np.int16)
-                    if rid in tokens:
-                        grown_t[:len(tokens[rid])] = tokens[rid]
-                        grown_r[:len(routes[rid])] = routes[rid]
-                    tokens[rid], routes[rid] = grown_t, grown_r
-                tokens[rid][pos] = step.token_ids[lo:hi]
-                for layer, experts in step.experts.items():
-                    routes[rid][pos, layer] = experts[lo:hi]
+        length: dict[str, int] = {}  # each request's furthest position + 1: its arrays are sized once
+        for rid, pos, _, _ in rows():
+            length[rid] = max(length.get(rid, 0), int(pos.max()) + 1)
+        tokens = {rid: np.full(n, -1, dtype=np.int64) for rid, n in length.items()}
+        routes = {rid: np.full((n, self.num_layers, self.topk), -1, dtype=np.int16) for rid, n in length.items()}
+        for rid, pos, step, span in rows():
+            tokens[rid][pos] = step.token_ids[span]
+            for layer, experts in step.experts.items():
+                routes[rid][pos, layer] = experts[span]
         self.steps = []
         lengths, flat_t, flat_r = [], [], []
         for rid, ids in tokens.items():
@@ -137,8 +135,9 @@ def routes_of_samples(captured: dict[tuple[int, ...], np.ndarray], prompt: list[
     through the model, nor did anything an environment appended after it: they take the experts of
     the token before (their outputs predict past the last trained token, and no trained token
     attends to them, so any valid experts do)."""
-    policy = [i for i, m in enumerate(response_mask) if m] if response_mask is not None else [len(response) - 1]
-    last = policy[-1] if policy else len(response) - 1
+    last = len(response) - 1
+    if response_mask is not None:
+        last = next((i for i in range(len(response_mask) - 1, -1, -1) if response_mask[i]), last)
     forwarded = tuple(prompt + response[:last])
     found = captured.get(forwarded)
     if found is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.rollout.sampling import RolloutSample
-from megarl.workers.rank_batch import RankBatch
+from megarl.workers.rank_batch import RankBatch, placeholder_routes
 
 
 @dataclass
@@ -69,8 +69,7 @@ def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple:
     routes = None
     if samples[0].routes is not None:
         first = samples[0].routes
-        # padding and placeholders route to experts 0..k-1 (a valid routing; no loss reads them)
-        routes = torch.arange(first.shape[-1], dtype=first.dtype).expand(batch, width, *first.shape[1:]).clone()
+        routes = placeholder_routes(batch, width, first)  # padding's routes
         for i, s in enumerate(samples):
             routes[i, :len(s.routes)] = s.routes
     return RolloutBatch(

@@ -39,3 +39,10 @@ class RankBatch:
         """The fields that are set, by name: the ranks slice these, tensor by tensor, into shards
         and micro-batches."""
         return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+
+
+def placeholder_routes(rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    """R3 routes ``[rows, width, layers, k]`` for padding and placeholder tokens: experts 0..k-1 in
+    every layer (a valid routing that no loss reads), with ``like``'s layers, k and dtype."""
+    layers, k = like.shape[-2:]
+    return torch.arange(k, dtype=like.dtype).expand(rows, width, layers, k).clone()

@@ -23,7 +23,7 @@ from megarl.models.context_parallel import CpSplit
 from megarl.models.logprobs import next_token_logprobs
 from megarl.models.vocab_parallel import vocab_parallel_stats
 from megarl.workers.megatron_model import HeldModel, held
-from megarl.workers.rank_batch import RankBatch
+from megarl.workers.rank_batch import RankBatch, placeholder_routes
 
 
 def _plain(batch: RankBatch | dict[str, Any]) -> dict[str, Any]:
@@ -133,8 +133,7 @@ def _rows_routes(routes: torch.Tensor, plan, lengths: list[int]) -> tuple[torch.
     and ``[rows, width]`` True where a real routing sits: the first ``lengths[i] - 1`` tokens of
     sequence i (not padding, nor its last token, whose routes are a placeholder). Padding routes
     to experts 0..k-1, a valid placeholder."""
-    k = routes.shape[-1]
-    out = torch.arange(k, dtype=routes.dtype).expand(plan.rows, plan.width, *routes.shape[2:]).clone()
+    out = placeholder_routes(plan.rows, plan.width, routes)
     valid = torch.zeros(plan.rows, plan.width, dtype=torch.bool)
     for j, i in enumerate(plan.index):
         columns = plan.columns(j)
