@@ -31,7 +31,8 @@ def forward_outputs(chunks: list, microbatches: list[torch.Tensor]) -> list[torc
     cp = ps.get_context_parallel_world_size()
     # context parallelism: each rank runs its 2 of 2 cp chunks (the rows right-padded to split; causal
     # attention keeps the padding out of the real positions) and the group gathers the outputs
-    width = -(-seq // (2 * cp)) * 2 * cp if cp > 1 else seq
+    multiple = 2 * cp * (ps.get_tensor_model_parallel_world_size() if chunks[0].config.sequence_parallel else 1)
+    width = -(-seq // multiple) * multiple if cp > 1 else seq
     split = CpSplit(cp, ps.get_context_parallel_rank(), width) if cp > 1 else None
 
     def step(data_iterator, model):
