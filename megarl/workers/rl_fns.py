@@ -202,7 +202,7 @@ def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: 
     temperature = mb.get("temperature", 1.0)
     if temperature != 1.0:  # skipped at 1: the division would copy the logits for nothing
         logits = logits / temperature
-    if (split := mb["inputs"].get("cp")) is not None:  # this rank's positions: gather the numbers
+    if (split := _cp_split(mb)) is not None:  # this rank's positions: gather the numbers
         lp, ent = vocab_parallel_stats(logits, split.next_tokens(mb["tokens"]), vocab, entropy=entropy)
         keep = mb.get("cp_keep", mb["valid"])
 
@@ -226,10 +226,15 @@ def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: 
     return _per_label(lp, mb), _per_label(ent, mb)
 
 
+def _cp_split(mb: dict[str, Any]) -> CpSplit | None:
+    """The micro-batch's context-parallel split (None: each rank has whole rows)."""
+    return (mb.get("inputs") or {}).get("cp")
+
+
 def _positions(output: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
     """A per-position output ``[rows, width, ...]`` (a value head's): under context parallelism the
     model gives each rank its share, gathered here (logits never are: ``_label_stats``)."""
-    split = mb["inputs"].get("cp")
+    split = _cp_split(mb)
     return output if split is None else split.gather(output)
 
 
