@@ -213,6 +213,11 @@ CASES = [
          args=("trainer.schedule=opportunistic",)),
     Case("partial-unknown", "late", "rollout.partial='resume' must be continue or regenerate",
          args=("rollout.partial=resume",)),
+    Case("granularity-unknown", "late", "rollout.granularity='prompt' must be batch or group",
+         args=("rollout.granularity=prompt",)),
+    Case("granularity-group-opportunistic", "late",
+         "rollout.granularity=group streams single-turn groups; trainer.schedule=opportunistic generates",
+         args=("rollout.granularity=group", "trainer.max_staleness=1", "trainer.schedule=opportunistic")),
     # multi-turn episodes (env): every problem named by its field before any engine starts
     Case("env-unknown-kind", "range", "env.kind='game' must be one of single_turn, tools, remote",
          args=("env={kind: game}",)),

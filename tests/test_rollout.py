@@ -106,6 +106,26 @@ def test_sample_logprobs_are_the_tempered_policys_as_the_trainer_scores_it(engin
     assert (untempered - batch.rollout_logprobs)[response].abs().max() > 0.05
 
 
+def test_groups_stream_the_samples_generate_gives(engine):
+    """``rollout.granularity: group``: each prompt's group comes back from the streaming call on its
+    own, and the groups hold generate's samples (same seeds: vLLM's j-th child of seed s is seed
+    s + j): the same tokens and finish reasons, log-probs within 1e-6."""
+    import ray
+
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4]]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12, n=2, seed=21)
+    whole = engine.generate(prompts, sampling)
+    stream = engine.handle.generate_groups.options(num_returns="streaming").remote(prompts, sampling)
+    streamed = [ray.get(ref, timeout=300) for ref in stream]
+    assert len(streamed) == len(prompts) and sorted(i for i, _ in streamed) == [0, 1, 2]
+    for i, group in streamed:
+        assert [s.response_ids for s in group] == [s.response_ids for s in whole[i]]
+        assert [s.finish_reason for s in group] == [s.finish_reason for s in whole[i]]
+        assert all(s.prompt_ids == prompts[i] for s in group)
+        for a, b in zip(group, whole[i], strict=True):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
 # -- interruptible segments (rollout.partial) ---------------------------------------------------
 
 

@@ -269,13 +269,18 @@ def test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once(policy,
 def test_colocated_run_repeats_the_disaggregated_run(policy, reward_url, straight, tmp_path):
     """Actor, reference and vLLM on the same bundles: the Megatron roles leave the device while
     vLLM generates (their storage freed, kept on the host) and vLLM sleeps while they work,
-    checkpoints included (save_every=2). Placement must not change a single number."""
+    checkpoints included (save_every=2). Placement must not change a single number. Nor must the
+    granularity: this run's engine streams each prompt's group as it finishes, and the rollout
+    service scores it then (rollout.granularity=group), the straight run's returns whole batches."""
     from megarl.trainer.loop import train
 
     overrides = [*grpo_overrides(policy, reward_url, tmp_path / "colocated", steps=4),
-                 "rollout.colocate_with=actor", "reference.colocate_with=actor"]
+                 "rollout.colocate_with=actor", "reference.colocate_with=actor", "rollout.granularity=group"]
     colocated = train(_config(overrides))
     assert _comparable(colocated) == _comparable(straight)
+    # the groups did stream: the first came in before the last (the batch waits for the slowest)
+    assert all(0 < h["time/rollout_first_group_s"] < h["time/rollout_last_group_s"] for h in colocated)
+    assert not any("time/rollout_first_group_s" in h for h in straight)
     # every step moved at least the actor's and reference's weights (2 x ~26 MiB) off and back
     weights_mib = 2 * 4 * (VOCAB * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 256)) / 2**20
     assert all(h["memory/offloaded_mib"] >= weights_mib for h in colocated), \
@@ -395,8 +400,8 @@ def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward
     assert history[0]["mismatch/max_abs_logprob"] <= 1e-3, history[0]["mismatch/max_abs_logprob"]
     groups = json.loads((tmp_path / "ppo" / "workers.json").read_text())
     assert {name: len(pids) for name, pids in groups.items()} == {"actor": 2, "reference": 1, "critic": 1,
-                                                                 "reward_model": 1}
-    assert len({pid for pids in groups.values() for pid in pids}) == 5  # one process per rank and role
+                                                                 "reward_model": 1, "rollout_service": 1}
+    assert len({pid for pids in groups.values() for pid in pids}) == 6  # one process per rank and role
 
 
 # ---------------------------------------------------------------- processes that die mid-run
@@ -430,13 +435,14 @@ def _wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str
         time.sleep(0.01)
 
 
-# (the process to kill: a vLLM process of engine 0 or the driver itself; the step and phase to kill
-# it in; the phases the failure may name). The engine's death while rollout runs ahead is
+# (the process to kill: a vLLM process of engine 0, the rollout service or the driver itself; the step
+# and phase to kill it in; the phases the failure may name). The engine's death while rollout runs ahead is
 # test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once. Resuming after a death
 # is that test's and test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run's.
 DEATHS = {
     "core-during-generate": ("VLLM::EngineCore", 2, "rollout", ("rollout",)),
     "worker-during-weight-sync": ("VLLM::Worker", 2, "weight_sync", ("weight_sync",)),
+    "rollout-service-during-generate": ("rollout service", 2, "rollout", ("rollout",)),
     "sigterm-of-the-driver": ("driver", 2, "rollout", ()),
 }
 
@@ -444,8 +450,9 @@ DEATHS = {
 @pytest.mark.parametrize("case", list(DEATHS))
 def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_url, tmp_path):
     """kill -9 of vLLM's engine core or its worker, while the engine generates or receives weights
-    (while it generates ahead: the opportunistic test above): the run ends within 60 s with one
-    line naming the rollout engine, the process and the phase. SIGTERM of the driver (scancel,
+    (while it generates ahead: the opportunistic test above), or of the rollout service while it
+    waits for a batch: the run ends within 60 s with one line naming the engine and the process,
+    or the service, and the phase. SIGTERM of the driver (scancel,
     kill, Ctrl-C alike) ends it too. Either way every process the run started is gone within 30 s."""
     victim, step, phase, named_phases = DEATHS[case]
     run_dir = tmp_path / "run"
@@ -457,6 +464,9 @@ def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_ur
         _wait_for_phase(run_dir, proc, step, phase)
         if victim == "driver":
             output, took = _ended_by(proc, lambda: proc.send_signal(signal.SIGTERM))
+        elif victim == "rollout service":
+            [pid] = json.loads((run_dir / "workers.json").read_text())["rollout_service"]
+            output, took = _ended_by(proc, lambda: os.kill(pid, signal.SIGKILL))
         else:
             engines = json.loads((run_dir / "engines.json").read_text())
             pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith(victim))
@@ -469,7 +479,8 @@ def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_ur
         assert proc.returncode == 1, output[-3000:]
         [failure] = [line for line in output.splitlines() if "megarl train: failed" in line]
         assert any(f"step {step}, phase {p!r}" in failure for p in named_phases), failure
-        assert "rollout engine 0" in failure and victim in failure, failure
+        assert ("rollout engine 0" in failure and victim in failure) if victim.startswith("VLLM") else \
+            f"the rollout service (pid {pid}): its process died" in failure, failure
         assert "\x1b" not in failure and "Traceback" not in failure
     deadline = time.monotonic() + 30
     while (left := _marked_processes(marker)) and time.monotonic() < deadline:

@@ -55,6 +55,19 @@ def submit_generation(engines: list, prompts: list[list[int]], sampling: Samplin
     return [e.generate.remote(p, sampling) for e, p in zip(engines, parts, strict=True) if p]
 
 
+def submit_groups(engines: list, prompts: list[list[int]], sampling: SamplingConfig) -> list[tuple[int, Any]]:
+    """``submit_generation`` for ``rollout.granularity: group``: the same shares, each engine's as a
+    streaming call (``VLLMEngine.generate_groups``) that returns every prompt's group as it
+    finishes. One ``(index of the share's first prompt, object ref generator)`` per engine that got
+    prompts (the samples are ``submit_generation``'s)."""
+    calls, first = [], 0
+    for engine, part in zip(engines, contiguous_shares(prompts, len(engines)), strict=True):
+        if part:
+            calls.append((first, engine.generate_groups.options(num_returns="streaming").remote(part, sampling)))
+        first += len(part)
+    return calls
+
+
 def submit_episodes(engines: list, items: list[EpisodeItem], sampling: SamplingConfig, cfg: RunConfig) -> list:
     """Asks the engines for ``sampling.n`` episodes of each item with ``cfg.env`` (a group's
     episodes on one engine, where they share the prompt's cache), items split as

@@ -155,6 +155,44 @@ class VLLMEngine:
         self._generate_seconds += time.perf_counter() - started
         return results
 
+    def generate_groups(self, prompts: list[list[int]], sampling: SamplingConfig
+                        ) -> Iterator[tuple[int, list[RolloutSample]]]:
+        """``rollout.granularity: group``: like ``generate``, but each prompt's ``sampling.n`` samples
+        come back as ``(prompt index, samples)`` as soon as the last of them finishes (called as a
+        Ray streaming generator: the caller scores a group while the others still generate). The
+        engine still batches every prompt's samples together; sample j of a prompt is a request of
+        its own, seeded ``sampling.seed + j``, as vLLM seeds the j-th of ``generate``'s n samples: the
+        same samples as ``generate``'s."""
+        from megarl.rollout.vllm_turns import VLLMTurns
+
+        self._check_version(sampling)
+        n = sampling.n
+        turns = VLLMTurns(self.llm, None, sampling)
+        where: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                self._segment_ids += 1
+                where[f"megarl-group-{self._segment_ids}"] = (i, j)
+                turns.add(f"megarl-group-{self._segment_ids}", prompt, sampling.max_tokens,
+                          None if sampling.seed is None else sampling.seed + j)
+        samples: list[list[RolloutSample | None]] = [[None] * n for _ in prompts]
+        left = [n] * len(prompts)
+        started = time.perf_counter()
+        try:
+            while any(left):
+                for turn in turns.step():
+                    i, j = where[turn.request_id]
+                    samples[i][j] = RolloutSample(list(prompts[i]), turn.token_ids, turn.logprobs,
+                                                  "stop" if turn.stopped else "length")
+                    left[i] -= 1
+                    if not left[i]:
+                        self._generate_seconds += time.perf_counter() - started
+                        yield i, samples[i]
+                        started = time.perf_counter()
+        finally:
+            turns.abort()  # nothing when every group came back; else the caller went away mid-stream
+            self._generate_seconds += time.perf_counter() - started
+
     @contextlib.contextmanager
     def _routes_recorded(self) -> Iterator[dict]:
         """R3: yields a dict that holds, after the block, the routes of what ran through the model in

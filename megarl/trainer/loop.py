@@ -1,8 +1,9 @@
 """The RL loop: generate, score, estimate advantages, update, sync. One screen.
 
 Colocated, the device changes hands at the ``device.*`` steps (``megarl.trainer.colocation``);
-disaggregated, those steps do nothing. With ``trainer.max_staleness: k > 0`` the queue has
-the engines generate the next k batches while this one trains (``megarl.trainer.rollout_queue``);
+disaggregated, those steps do nothing. The rollout service (its own Ray actor,
+``megarl.trainer.rollout_service``) generates and scores the batches; with
+``trainer.max_staleness: k > 0`` it has the engines generate the next k while this one trains;
 ``trainer.schedule: opportunistic`` has the weight sync interrupt them rather than wait.
 """
 
@@ -24,7 +25,7 @@ def train(cfg: RunConfig) -> list[dict]:
     with Run(cfg).build() as run:  # on the way out, every process of the run is stopped
         start = run.resume()
         log = run.logger(resume_step=start)
-        rollout, queue, device = run.rollout, run.queue, run.colocation
+        rollout, device = run.rollout, run.colocation  # the rollout service, the device's hand-overs
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
         algorithm = get_algorithm(cfg.algorithm.name)
         reward_model = run.roles.get("reward_model") if rollout.needs_reward_model else None  # else it seeds the critic
@@ -34,7 +35,7 @@ def train(cfg: RunConfig) -> list[dict]:
             began = time.perf_counter()
             with run.phase("rollout"):
                 device.to_rollout()  # the Megatron roles leave the device to vLLM
-                samples = queue.take(run.step)  # and batches up to step + k are on their way
+                samples = rollout.take(run.step)  # and batches up to step + k are on their way
                 device.to_training()  # vLLM sleeps, the roles come back
             batch = samples.batch
             with run.phase("reward"):
@@ -62,7 +63,7 @@ def train(cfg: RunConfig) -> list[dict]:
                 with run.phase("critic_update"):
                     metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]
             with run.phase("rollout_wait"):  # the engines finish what they generate ahead (or stop it)
-                queue.drain()
+                rollout.drain()
             with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off
                 verified = run.sync_weights(batch)
                 generating = run.generation_seconds()  # the engines' time in generate() this step

@@ -10,7 +10,10 @@ runs ahead of training once rollout is asynchronous.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,13 +25,13 @@ from megarl.data.prompts import PromptItem
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
 from megarl.rollout.episodes import Trajectory
-from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
+from megarl.rollout.remote import episode_item, submit_episodes, submit_generation, submit_groups
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.trainer import partial_rollouts
 from megarl.trainer.batch import RolloutBatch, build_batch, turn_reward_tensor
 from megarl.trainer.partial_rollouts import PartialRollout
 from megarl.trainer.rewards import RunReward
-from megarl.utils.abort import wait_all
+from megarl.utils.abort import RUN_ABORT, wait_all
 
 # Sampling seeds: one per step, distinct across steps and runs with different seeds.
 _SEED_STRIDE = 100_003
@@ -51,6 +54,12 @@ class Rollout:
     # Partial rollouts (trainer.schedule: opportunistic): each sample's per-token weight versions
     # (``version`` is the oldest of them). None: every token is ``version``'s.
     token_versions: list[list[int]] | None = None
+    # The reward terms' scores [B] and each term's values, computed as the batch came in (the
+    # rollout service scores ahead of the trainer); None when a reward model's score is needed.
+    scored: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+    # rollout.granularity=group: seconds from the batch's submission to the first and to the last
+    # group's arrival (how much of generation a group's scoring could overlap); None: whole batches
+    group_arrival_s: tuple[float, float] | None = None
 
 
 @dataclass
@@ -60,7 +69,11 @@ class PendingRollout:
     index: int
     version: int
     prompt_ids: list[int]
-    calls: list  # Ray object refs, one per engine, in engine order
+    # Ray object refs, one per engine, in engine order; rollout.granularity=group: (first prompt's
+    # index, object ref generator) pairs
+    calls: list
+    finished: Future | None = None  # collecting and scoring it in the background (``finish_ahead``)
+    submitted_at: float = field(default_factory=time.monotonic)
 
 
 class RolloutManager:
@@ -69,6 +82,16 @@ class RolloutManager:
         self.cfg, self.engines, self.tokenizer = cfg, engines, tokenizer
         self.dataset, self.reward = dataset, reward
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._ahead: ThreadPoolExecutor | None = None
+        # The Rust tokenizer refuses a call from a second thread while one is in it (the
+        # background thread decodes a finished batch while the next batch's prompts are tokenized)
+        self._tokenizer_lock = threading.Lock()
+
+    def finish_ahead(self) -> None:
+        """From now on each submitted batch is collected, assembled and scored by the reward terms
+        in a background thread as soon as the engines return it, while the trainer works on an
+        earlier one (the rollout service does this; ``collect`` then only waits for it)."""
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-rollout-ahead")
 
     @property
     def needs_reward_model(self) -> bool:
@@ -83,17 +106,19 @@ class RolloutManager:
         sampling = self._sampling(index, version)
         if self.cfg.env is not None:
             calls = submit_episodes(self.engines, [episode_item(item) for item in items], sampling, self.cfg)
+        elif self.cfg.rollout.granularity == "group":
+            calls = submit_groups(self.engines, self._tokenize(items), sampling)
         else:
-            prompts = tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len,
-                                       overlong="truncate_left").ids
-            calls = submit_generation(self.engines, prompts, sampling)
-        return PendingRollout(index, version, ids, calls)
+            calls = submit_generation(self.engines, self._tokenize(items), sampling)
+        pending = PendingRollout(index, version, ids, calls)
+        if self._ahead is not None:
+            pending.finished = self._ahead.submit(self._collect_and_score, pending)
+        return pending
 
     def submit_partial(self, index: int, version: int, epoch: int) -> PartialRollout:
         """Like ``submit``, as interruptible segments (``trainer.schedule: opportunistic``)."""
         ids = self.dataset.next_ids()
-        prompts = tokenize_prompts(self.tokenizer, [self.dataset.items[i] for i in ids], self.cfg.data.max_prompt_len,
-                                   overlong="truncate_left").ids
+        prompts = self._tokenize([self.dataset.items[i] for i in ids])
         sampling = self._sampling(index, version)
         batch = partial_rollouts.new_batch(index, ids, prompts, sampling.n, sampling.seed)
         partial_rollouts.submit(batch, self.engines, sampling, version, epoch)
@@ -121,6 +146,55 @@ class RolloutManager:
 
     def collect(self, pending: PendingRollout) -> Rollout:
         """Waits for a submitted batch (``trainer.step_timeout_s``) and assembles it."""
+        if pending.finished is not None:
+            return pending.finished.result()  # the background thread waits with the same timeout
+        return self._collect_and_score(pending)
+
+    def _collect_and_score(self, pending: PendingRollout) -> Rollout:
+        if self.cfg.rollout.granularity == "group" and self.cfg.env is None:
+            return self._collect_groups(pending)
+        rollout = self._collect(pending)
+        if not self.needs_reward_model:
+            rollout.scored = self.score(rollout)
+        return rollout
+
+    def _collect_groups(self, pending: PendingRollout) -> Rollout:
+        """``rollout.granularity: group``: each group decoded and scored by the reward terms as it
+        arrives, while the engines generate the rest; the batch in prompt order once all are in."""
+        import ray
+
+        groups: list[list[RolloutSample] | None] = [None] * len(pending.prompt_ids)
+        inputs: list[list[RewardInput] | None] = [None] * len(pending.prompt_ids)
+        terms: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        streams = {stream: first for first, stream in pending.calls}
+        arrivals = []
+        timeout_s = self.cfg.trainer.step_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while streams:
+            RUN_ABORT.check()
+            ready, _ = ray.wait(list(streams), num_returns=1, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            for stream in ready:
+                try:
+                    i, samples = ray.get(next(stream))  # an engine's error is raised here
+                except StopIteration:
+                    del streams[stream]
+                    continue
+                i += streams[stream]
+                arrivals.append(time.monotonic() - pending.submitted_at)
+                groups[i] = samples
+                inputs[i] = self._reward_inputs(pending.prompt_ids[i:i + 1], [samples])
+                if not self.needs_reward_model:
+                    terms.append((i, self.reward.score(inputs[i])))
+            if streams and time.monotonic() >= deadline:
+                raise TimeoutError(f"generation did not finish within {timeout_s:.0f} s")
+        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
+        rollout = Rollout(batch, [x for group in inputs for x in group], pending.index, pending.version,
+                          pending.prompt_ids, groups, group_arrival_s=(arrivals[0], arrivals[-1]))
+        if not self.needs_reward_model:  # the groups' term scores, in prompt order, then the penalties
+            rollout.scored = score_rollout(self.cfg, self.reward, rollout, terms=_in_order(terms))
+        return rollout
+
+    def _collect(self, pending: PendingRollout) -> Rollout:
         parts = wait_all(pending.calls, self.cfg.trainer.step_timeout_s, "generation")
         if self.cfg.env is None:
             groups = [g for part in parts for g in part]
@@ -134,35 +208,22 @@ class RolloutManager:
                  episodes: list[Trajectory] | None = None) -> Rollout:
         """A batch from the engines' samples (fresh, or read back from a checkpoint)."""
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
-        inputs = [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=self.dataset.items[pid].metadata,
-                              response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
-                  for pid, group in zip(prompt_ids, groups, strict=True) for s in group]
-        return Rollout(batch, inputs, index, version, prompt_ids, groups, episodes)
+        return Rollout(batch, self._reward_inputs(prompt_ids, groups), index, version, prompt_ids, groups, episodes)
+
+    def _reward_inputs(self, prompt_ids: list[int], groups: list[list[RolloutSample]]) -> list[RewardInput]:
+        """What the reward terms read of each sample: texts, and the item's metadata (the answer)."""
+        items = self.dataset.items
+        with self._tokenizer_lock:
+            return [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[pid].metadata,
+                                response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
+                    for pid, group in zip(prompt_ids, groups, strict=True) for s in group]
 
     def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The reward of every sample [B], and each term's values for the logs."""
-        if rollout.episodes is not None:  # the environments scored their episodes
-            scores = torch.tensor([t.reward for t in rollout.episodes], dtype=torch.float32)
-            parts = {"reward/env": scores}
-        else:
-            scores, parts = self.reward.score(rollout.reward_inputs, model_scores)
-        algo = self.cfg.algorithm
-        if algo.overlong_buffer > 0:
-            penalty = overlong_penalty(rollout.batch.response_lens, self.cfg.rollout.max_tokens,
-                                       algo.overlong_buffer, algo.overlong_penalty)
-            scores = scores + penalty
-            parts["reward/overlong_penalty"] = penalty
-        return scores, parts
+        return score_rollout(self.cfg, self.reward, rollout, model_scores)
 
     def turn_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
-        """Each turn's reward on its last token (``env.credit: turn``), rows summing to ``scores``;
-        None when every policy token of an episode is credited with the whole episode."""
-        if rollout.episodes is None or self.cfg.env is None or self.cfg.env.credit != "turn":
-            return None
-        episodes = rollout.episodes
-        return turn_reward_tensor([t.turns for t in episodes], [t.observations for t in episodes],
-                                  [t.turn_rewards for t in episodes], rollout.batch, scores)
+        return rollout_turn_rewards(self.cfg, rollout, scores)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the prompt stream stands: a resumed run serves exactly the prompts that came next."""
@@ -171,8 +232,55 @@ class RolloutManager:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
 
+    def _tokenize(self, items: list[PromptItem]) -> list[list[int]]:
+        with self._tokenizer_lock:
+            return tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
+
     def _sampling(self, index: int, version: int) -> SamplingConfig:
         r = self.cfg.rollout
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
                               n=r.n, stop_token_ids=[self.tokenizer.eos_token_id],
                               seed=self.cfg.seed * _SEED_STRIDE + index, weight_version=version)
+
+
+def score_rollout(cfg: RunConfig, reward: RunReward, rollout: Rollout, model_scores: torch.Tensor | None = None,
+                  terms: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reward of every sample [B], and each term's values for the logs (the reward terms' own,
+    when the batch was scored as it came in and no reward model's score is given). ``terms``: the
+    reward terms' sum and values, computed already (group by group as the groups came in)."""
+    if rollout.scored is not None and model_scores is None:
+        return rollout.scored
+    if rollout.episodes is not None:  # the environments scored their episodes
+        scores = torch.tensor([t.reward for t in rollout.episodes], dtype=torch.float32)
+        parts = {"reward/env": scores}
+    elif terms is not None:
+        scores, parts = terms
+    else:
+        scores, parts = reward.score(rollout.reward_inputs, model_scores)
+    algo = cfg.algorithm
+    if algo.overlong_buffer > 0:
+        penalty = overlong_penalty(rollout.batch.response_lens, cfg.rollout.max_tokens,
+                                   algo.overlong_buffer, algo.overlong_penalty)
+        scores = scores + penalty
+        parts["reward/overlong_penalty"] = penalty
+    return scores, parts
+
+
+def rollout_turn_rewards(cfg: RunConfig, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
+    """Each turn's reward on its last token (``env.credit: turn``), rows summing to ``scores``;
+    None when every policy token of an episode is credited with the whole episode."""
+    if rollout.episodes is None or cfg.env is None or cfg.env.credit != "turn":
+        return None
+    episodes = rollout.episodes
+    return turn_reward_tensor([t.turns for t in episodes], [t.observations for t in episodes],
+                              [t.turn_rewards for t in episodes], rollout.batch, scores)
+
+
+def _in_order(terms: list[tuple[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]]
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Groups' (sum, values per term) scored in arrival order, as one batch's in prompt order."""
+    ordered = [score for _, score in sorted(terms, key=lambda t: t[0])]
+    return (torch.cat([total for total, _ in ordered]),
+            {name: torch.cat([parts[name] for _, parts in ordered]) for name in ordered[0][1]})
+

@@ -28,8 +28,7 @@ from megarl.trainer.evaluation import Evaluator
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.rewards import RunReward
 from megarl.trainer.roles import MegatronRole
-from megarl.trainer.rollout_manager import RolloutManager
-from megarl.trainer.rollout_queue import RolloutQueue
+from megarl.trainer.rollout_service import RolloutClient, start_rollout_service
 from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
 from megarl.workers.watchdog import Watchdog
@@ -59,8 +58,7 @@ class Run:
         self.sync = None
         self.slots: dict = {}
         self.watchdog: Watchdog | None = None
-        self.rollout: RolloutManager | None = None
-        self.queue: RolloutQueue | None = None
+        self.rollout: RolloutClient | None = None  # the rollout service (its own Ray actor)
         self.evaluator: Evaluator | None = None
         self._busy_mark = 0.0  # the engines' generation seconds at the last generation_seconds()
         self.engines_start_blank = False  # random weights until the first sync (a megarl checkpoint's actor)
@@ -102,10 +100,9 @@ class Run:
         self.engines_start_blank |= cfg.rollout.weights == "fp8"  # FP8 rounding happens in the sync
         self.engines = self._start_engines(actor_hf, slots["rollout"])
         tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
-        self.rollout = RolloutManager(cfg, self.engines, tokenizer, prompt_dataset(cfg.data), reward)
+        dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
         self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
-        self.queue = RolloutQueue(self.rollout, cfg.trainer.max_staleness, last_step=cfg.trainer.steps,
-                                  schedule=cfg.trainer.schedule)
+        self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
         for name, role_cfg in cfg.roles().items():
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
         self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
@@ -113,19 +110,20 @@ class Run:
         from megarl.workers.weight_sync import WeightSync
 
         wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
+        service_pid = self.rollout.pid()  # and the service is up
         self.sync = WeightSync(self.roles["actor"].group, "actor", self.engines,
                                bucket_bytes=int(cfg.trainer.bucket_mib * 2**20),
                                timeout_s=cfg.trainer.collective_timeout_s * 4)
         self.sync.setup()
         self.checkpoints = CheckpointManager(self.run_dir)
         # which process is which rank: for `kill`, `py-spy dump` or a debugger
-        pids = {name: role.group.pids for name, role in self.roles.items()}
+        pids = {name: role.group.pids for name, role in self.roles.items()} | {"rollout_service": [service_pid]}
         write_text_atomic(self.run_dir / "workers.json", json.dumps(pids, indent=2))
-        self._start_watchdog()
+        self._start_watchdog(service_pid)
         self.generation_seconds()  # the steps' busy time counts from here
         return self
 
-    def _start_watchdog(self) -> None:
+    def _start_watchdog(self, service_pid: int) -> None:
         """Every rank and engine is watched from here on; engines.json says which process is which."""
         tr = self.cfg.trainer
         # An engine that does not answer for this long is hung (its process lives, but its watch
@@ -138,6 +136,7 @@ class Run:
                            "the engines' first liveness check")
         for index, engine in enumerate(self.engines):
             self.watchdog.watch_engine(index, engine)
+        self.watchdog.watch_actor(f"the rollout service (pid {service_pid})", self.rollout.actor)
         engines = [{"engine": i, "pid": h.pid, "processes": [{"pid": w.pid, "title": w.title} for w in h.watched]}
                    for i, h in enumerate(healths)]
         write_text_atomic(self.run_dir / "engines.json", json.dumps(engines, indent=2))
@@ -217,12 +216,12 @@ class Run:
         vLLM's log-probs of a few of its sequences checked against the actor's
         (``trainer.verify_sync``). Generation still in flight is waited for first (or interrupted,
         and continued under the new weights: trainer.schedule=opportunistic)."""
-        self.queue.drain()
+        self.rollout.drain()
         self.colocation.to_sync()
         self.sync.sync()
         wait_all([e.set_weight_version.remote(self.step) for e in self.engines], self.cfg.trainer.collective_timeout_s,
                  "recording the engines' weight version")
-        self.queue.resume(self.step)
+        self.rollout.resume(self.step)
         self.colocation.after_sync()
         verified = self.verify_sync(batch) if batch is not None else {}
         self.colocation.actor_off()
@@ -254,12 +253,12 @@ class Run:
         return {n: r for n, r in self.roles.items() if n in ("actor", "critic")}
 
     def save(self) -> Path:
-        self.queue.drain()  # the batches generated ahead go into the checkpoint, finished or interrupted
-        state = {"data": self.rollout.state_dict(), "queue": self.queue.state_dict()}
+        self.rollout.drain()  # the batches generated ahead go into the checkpoint, finished or interrupted
+        state = self.rollout.state_dict()  # the prompt stream's position ("data") and the queue's
         with self.colocation.roles_on_device():
-            saved = self.checkpoints.save(self.step, self.trained_roles(), state, write_more=self.queue.save)
+            saved = self.checkpoints.save(self.step, self.trained_roles(), state, write_more=self.rollout.save)
         if self.engines:
-            self.queue.resume(self.step)  # the interrupted ones go on
+            self.rollout.resume(self.step)  # the interrupted ones go on
         return saved
 
     def release_inference(self) -> None:
@@ -269,7 +268,7 @@ class Run:
         MoE demo's final save pushed Ray's memory monitor into killing the reference)."""
         import ray
 
-        self.queue.drain()  # nothing may still be generating into the checkpoint's queue
+        self.rollout.drain()  # nothing may still be generating into the checkpoint's queue
         if self.watchdog is not None:
             self.watchdog.forget_engines()  # a stopped group is skipped by the watchdog already
         if self.sync is not None:
@@ -301,9 +300,8 @@ class Run:
         state = self.checkpoints.trainer_state(latest)
         for name, role in self.trained_roles().items():
             role.restore(str(latest / name), with_optimizer=True)
-        self.rollout.load_state_dict(state["data"])
         self.step = state["step"]
-        self.queue.load(latest, state.get("queue", {"next_index": self.step + 1}))
+        self.rollout.load(latest, {"data": state["data"], "queue": state.get("queue", {"next_index": self.step + 1})})
         self.sync_weights()
         print(f"resumed from {latest} (step {self.step})", flush=True)
         return self.step
@@ -327,6 +325,8 @@ class Run:
             with contextlib.suppress(Exception):
                 ray.wait([e.kill_processes.remote() for e in self.engines], num_returns=len(self.engines),
                          timeout=5.0)
+        if self.rollout is not None:
+            self.rollout.stop()
         for role in self.roles.values():
             role.shutdown(graceful=graceful)
         for engine in self.engines:

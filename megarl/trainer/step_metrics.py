@@ -73,4 +73,6 @@ def rollout_metrics(rollout: Rollout, step: int) -> dict:
                                             / max(1, len(rollout.token_versions)))
     if rollout.episodes is not None:
         out |= episode_metrics(rollout.episodes)
+    if rollout.group_arrival_s is not None:  # rollout.granularity=group
+        out["time/rollout_first_group_s"], out["time/rollout_last_group_s"] = rollout.group_arrival_s
     return out

@@ -338,8 +338,9 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
 
 
 def schedule_errors(cfg: RunConfig) -> list[str]:
-    """trainer.schedule / rollout.partial: opportunistic rollout needs something to overlap and
-    single-turn samples (an episode's turns are not interruptible yet)."""
+    """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
+    something to overlap and single-turn samples (an episode's turns are not interruptible yet);
+    groups stream from single-turn generation in one piece."""
     tr, errors = cfg.trainer, []
     if tr.schedule not in ("exact", "opportunistic"):
         errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
@@ -351,6 +352,15 @@ def schedule_errors(cfg: RunConfig) -> list[str]:
     if tr.schedule == "opportunistic" and cfg.env is not None:
         errors.append("trainer.schedule=opportunistic interrupts single-turn generation only; multi-turn "
                       "episodes (env) run with trainer.schedule=exact")
+    granularity = cfg.rollout.granularity
+    if granularity not in ("batch", "group"):
+        errors.append(f"rollout.granularity={granularity!r} must be batch or group")
+    elif granularity == "group":
+        conflicts = {"multi-turn episodes (env) come back by the engine's share": cfg.env is not None,
+                     "trainer.schedule=opportunistic generates interruptible segments": tr.schedule == "opportunistic",
+                     "actor.moe.routing_replay records routes per generate call": cfg.actor.moe.routing_replay}
+        errors += [f"rollout.granularity=group streams single-turn groups; {why}: use rollout.granularity=batch"
+                   for why, conflict in conflicts.items() if conflict]
     return errors
 
 

@@ -8,7 +8,8 @@ What it watches:
 - each rollout engine: its Ray actor the same way, and the vLLM processes beneath it (engine
   core, workers), through the engine's ``health()`` (answered from a second thread of the
   engine actor, so a blocked ``generate`` or weight sync does not delay it). An engine that
-  does not answer within ``answer_timeout_s`` counts as hung.
+  does not answer within ``answer_timeout_s`` counts as hung;
+- the rollout service (``megarl.trainer.rollout_service``): its Ray actor's state.
 
 On the first death it trips the run's abort signal with one line naming the role, the rank or
 engine, and the process; every driver-side wait raises it within a second (megarl.utils.abort).
@@ -56,6 +57,10 @@ class Watchdog:
 
     def watch_engine(self, index: int, engine: Any) -> None:
         self._watched.append(_Watched(f"rollout engine {index}", engine, engine=True))
+
+    def watch_actor(self, label: str, actor: Any) -> None:
+        """Any other actor the run depends on, by its state alone (``label`` names it in the line)."""
+        self._watched.append(_Watched(label, actor))
 
     def forget_engines(self) -> None:
         """Stops watching the rollout engines (before they are stopped on purpose)."""
