@@ -107,17 +107,20 @@ def test_sample_logprobs_are_the_tempered_policys_as_the_trainer_scores_it(engin
 
 
 def test_groups_stream_the_samples_generate_gives(engine):
-    """``rollout.granularity: group``: each prompt's group comes back from the streaming call on its
-    own, and the groups hold generate's samples (same seeds: vLLM's j-th child of seed s is seed
-    s + j): the same tokens and finish reasons, log-probs within 1e-6."""
-    import ray
+    """``rollout.granularity: group``: the batch's groups handed to the engine one at a time (room
+    for one group of 2 in its running batch: each next prompt joins the running ``serve_groups``
+    call when the previous group finishes), and each comes back on its own. They hold generate's
+    samples (same seeds: vLLM's j-th child of seed s is seed s + j): the same tokens and finish
+    reasons, log-probs within 1e-6."""
+    from megarl.rollout.group_streams import groups_as_they_finish, open_group_streams
 
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4]]
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4], [5, 6]]
     sampling = SamplingConfig(temperature=1.0, max_tokens=12, n=2, seed=21)
     whole = engine.generate(prompts, sampling)
-    stream = engine.handle.generate_groups.options(num_returns="streaming").remote(prompts, sampling)
-    streamed = [ray.get(ref, timeout=300) for ref in stream]
-    assert len(streamed) == len(prompts) and sorted(i for i, _ in streamed) == [0, 1, 2]
+    batch = open_group_streams([engine.handle], prompts, sampling, max_num_seqs=2)
+    assert len(batch.waiting) == 3  # one group went out, three wait for room
+    streamed = list(groups_as_they_finish(batch, timeout_s=300))
+    assert sorted(i for i, _ in streamed) == [0, 1, 2, 3] and not batch.waiting and batch.closed
     for i, group in streamed:
         assert [s.response_ids for s in group] == [s.response_ids for s in whole[i]]
         assert [s.finish_reason for s in group] == [s.finish_reason for s in whole[i]]

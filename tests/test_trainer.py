@@ -270,12 +270,14 @@ def test_colocated_run_repeats_the_disaggregated_run(policy, reward_url, straigh
     """Actor, reference and vLLM on the same bundles: the Megatron roles leave the device while
     vLLM generates (their storage freed, kept on the host) and vLLM sleeps while they work,
     checkpoints included (save_every=2). Placement must not change a single number. Nor must the
-    granularity: this run's engine streams each prompt's group as it finishes, and the rollout
-    service scores it then (rollout.granularity=group), the straight run's returns whole batches."""
+    granularity: this run's engine holds one group at a time (max_num_seqs = n), is handed the
+    next as one finishes and streams each back, and the rollout service scores it then
+    (rollout.granularity=group); the straight run's engine returns whole batches."""
     from megarl.trainer.loop import train
 
     overrides = [*grpo_overrides(policy, reward_url, tmp_path / "colocated", steps=4),
-                 "rollout.colocate_with=actor", "reference.colocate_with=actor", "rollout.granularity=group"]
+                 "rollout.colocate_with=actor", "reference.colocate_with=actor", "rollout.granularity=group",
+                 "rollout.max_num_seqs=4"]
     colocated = train(_config(overrides))
     assert _comparable(colocated) == _comparable(straight)
     # the groups did stream: the first came in before the last (the batch waits for the slowest)

@@ -210,10 +210,11 @@ class RolloutConfig:
     # continue: they go on from their tokens under the new weights (each token keeps its version);
     # regenerate: they start over under the new weights (megarl.trainer.partial_rollouts).
     partial: str = "continue"  # continue | regenerate
-    # What comes back from an engine at a time. batch: the whole share of a batch, from one vLLM
-    # generate call. group: each prompt's n samples as soon as they finish (the engine still batches
-    # them all), so the rollout service decodes and scores a group while the others generate (slow
-    # rewards: remote judges, sandboxes). Single-turn, exact schedule.
+    # What goes to and comes back from an engine at a time. batch: an engine's share of the batch,
+    # one vLLM generate call. group: each engine gets the groups its running batch holds, then the
+    # next group whenever one of its own finishes, and each group comes back as soon as its samples
+    # do, so the rollout service decodes and scores it while the others generate (slow rewards:
+    # remote judges, sandboxes). The same samples either way. Single-turn, exact schedule.
     granularity: str = "batch"  # batch | group
     # MoE: vLLM's expert parallelism (enable_expert_parallel): each engine rank holds E / tp whole
     # experts instead of a tp slice of every expert; the weight sync sends each rank its experts

@@ -12,7 +12,7 @@ from megarl.envs.base import EpisodeItem, Message
 from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest
 from megarl.rollout.sampling import SamplingConfig
-from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
+from megarl.rollout.vllm_engine import INTAKE_GROUP, WATCH_GROUP, VLLMEngine
 from megarl.utils.shares import contiguous_shares
 
 
@@ -38,8 +38,9 @@ def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str
 def _actor_class(engine_class: type[VLLMEngine]) -> Any:
     import ray
 
-    # One thread runs the engine's calls in order; a second answers liveness checks meanwhile.
-    return ray.remote(concurrency_groups={WATCH_GROUP: 1})(engine_class)
+    # One thread runs the engine's calls in order; a second answers liveness checks meanwhile, a
+    # third takes prompts for a running serve_groups call.
+    return ray.remote(concurrency_groups={WATCH_GROUP: 1, INTAKE_GROUP: 1})(engine_class)
 
 
 def wait_ready(engines: list, timeout_s: float = 600.0) -> None:
@@ -53,19 +54,6 @@ def submit_generation(engines: list, prompts: list[list[int]], sampling: Samplin
     engine order; returns one object ref per engine that got prompts, at once (results in order)."""
     parts = contiguous_shares(prompts, len(engines))
     return [e.generate.remote(p, sampling) for e, p in zip(engines, parts, strict=True) if p]
-
-
-def submit_groups(engines: list, prompts: list[list[int]], sampling: SamplingConfig) -> list[tuple[int, Any]]:
-    """``submit_generation`` for ``rollout.granularity: group``: the same shares, each engine's as a
-    streaming call (``VLLMEngine.generate_groups``) that returns every prompt's group as it
-    finishes. One ``(index of the share's first prompt, object ref generator)`` per engine that got
-    prompts (the samples are ``submit_generation``'s)."""
-    calls, first = [], 0
-    for engine, part in zip(engines, contiguous_shares(prompts, len(engines)), strict=True):
-        if part:
-            calls.append((first, engine.generate_groups.options(num_returns="streaming").remote(part, sampling)))
-        first += len(part)
-    return calls
 
 
 def submit_episodes(engines: list, items: list[EpisodeItem], sampling: SamplingConfig, cfg: RunConfig) -> list:

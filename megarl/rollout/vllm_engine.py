@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ WORKER_EXTENSION = "megarl.rollout.worker_extension.WeightSyncExtension"
 # The Ray concurrency group of the liveness methods: they answer while generate() or a weight
 # sync blocks the engine's main thread (see megarl.rollout.remote.start_engine).
 WATCH_GROUP = "watch"
+# The group of ``add_groups``: prompts handed to a running ``serve_groups`` call.
+INTAKE_GROUP = "intake"
 
 
 def _watch_method(fn):
@@ -37,6 +40,15 @@ def _watch_method(fn):
     except ModuleNotFoundError:  # a bare GPU machine's test run: no engine actor can start there anyway
         return fn
     return ray.method(concurrency_group=WATCH_GROUP)(fn)
+
+
+def _intake_method(fn):
+    """Runs ``fn`` in the engine actor's intake group (a plain method without Ray)."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        return fn
+    return ray.method(concurrency_group=INTAKE_GROUP)(fn)
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,8 @@ class VLLMEngine:
         # Interruptible generation: calls of epoch <= this stop at their next decoding step
         self._interrupted_through = -1
         self._segment_ids = 0
+        self._intakes: dict[int, Any] = {}  # serve_groups streams' prompt queues (rollout.granularity=group)
+        self._intake_lock = threading.Lock()
 
     def set_weight_version(self, version: int) -> None:
         """Records which policy version the weights just received are (a generation request
@@ -155,43 +169,70 @@ class VLLMEngine:
         self._generate_seconds += time.perf_counter() - started
         return results
 
-    def generate_groups(self, prompts: list[list[int]], sampling: SamplingConfig
-                        ) -> Iterator[tuple[int, list[RolloutSample]]]:
-        """``rollout.granularity: group``: like ``generate``, but each prompt's ``sampling.n`` samples
-        come back as ``(prompt index, samples)`` as soon as the last of them finishes (called as a
-        Ray streaming generator: the caller scores a group while the others still generate). The
-        engine still batches every prompt's samples together; sample j of a prompt is a request of
-        its own, seeded ``sampling.seed + j``, as vLLM seeds the j-th of ``generate``'s n samples: the
-        same samples as ``generate``'s."""
+    @_intake_method
+    def add_groups(self, stream: int, prompts: list[tuple[int, list[int]]]) -> None:
+        """More prompts, as (index in the batch, token ids), for ``serve_groups`` call ``stream``
+        (running, or about to start: the calls may arrive in either order); an empty list says no
+        more will come. Answers at once, while ``serve_groups`` blocks the engine's main thread."""
+        self._intake(stream).put(prompts)
+
+    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Iterator[tuple[int, list[RolloutSample]]]:
+        """``rollout.granularity: group``: generates every prompt that ``add_groups`` sends for
+        ``stream`` and returns each prompt's ``sampling.n`` samples as ``(index, samples)`` as soon as
+        the last of them finishes (called as a Ray streaming generator), until the prompts are closed
+        and all are done. Prompts that arrive meanwhile join vLLM's running batch at the next step,
+        so the caller can hand a prompt to whichever engine frees room first. Sample j of a prompt is
+        a request of its own, seeded ``sampling.seed + j`` as vLLM seeds the j-th of ``generate``'s n
+        samples: the samples are ``generate``'s, whichever engine draws them."""
+        import queue
+
         from megarl.rollout.vllm_turns import VLLMTurns
 
         self._check_version(sampling)
-        n = sampling.n
+        n, intake = sampling.n, self._intake(stream)
         turns = VLLMTurns(self.llm, None, sampling)
         where: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
-        for i, prompt in enumerate(prompts):
-            for j in range(n):
-                self._segment_ids += 1
-                where[f"megarl-group-{self._segment_ids}"] = (i, j)
-                turns.add(f"megarl-group-{self._segment_ids}", prompt, sampling.max_tokens,
-                          None if sampling.seed is None else sampling.seed + j)
-        samples: list[list[RolloutSample | None]] = [[None] * n for _ in prompts]
-        left = [n] * len(prompts)
+        open_groups: dict[int, list] = {}  # prompt index -> its samples so far
+        prompts: dict[int, list[int]] = {}
+        closed = False
         started = time.perf_counter()
         try:
-            while any(left):
+            while not closed or open_groups:
+                try:  # idle: wait for prompts (or the close); else take whatever has arrived
+                    arrived = intake.get(timeout=1.0) if not open_groups else intake.get_nowait()
+                except queue.Empty:
+                    arrived = None
+                if arrived is not None:
+                    closed |= not arrived
+                    for i, prompt in arrived:
+                        prompts[i], open_groups[i] = list(prompt), [None] * n
+                        for j in range(n):
+                            self._segment_ids += 1
+                            where[f"megarl-group-{self._segment_ids}"] = (i, j)
+                            turns.add(f"megarl-group-{self._segment_ids}", prompt, sampling.max_tokens,
+                                      None if sampling.seed is None else sampling.seed + j)
+                    continue  # everything that arrived goes in before the next step
+                if not open_groups:
+                    continue
                 for turn in turns.step():
-                    i, j = where[turn.request_id]
-                    samples[i][j] = RolloutSample(list(prompts[i]), turn.token_ids, turn.logprobs,
-                                                  "stop" if turn.stopped else "length")
-                    left[i] -= 1
-                    if not left[i]:
+                    i, j = where.pop(turn.request_id)
+                    open_groups[i][j] = RolloutSample(prompts[i], turn.token_ids, turn.logprobs,
+                                                      "stop" if turn.stopped else "length")
+                    if all(open_groups[i]):
                         self._generate_seconds += time.perf_counter() - started
-                        yield i, samples[i]
+                        yield i, open_groups.pop(i)
                         started = time.perf_counter()
         finally:
             turns.abort()  # nothing when every group came back; else the caller went away mid-stream
             self._generate_seconds += time.perf_counter() - started
+            with self._intake_lock:
+                self._intakes.pop(stream, None)
+
+    def _intake(self, stream: int):
+        import queue
+
+        with self._intake_lock:
+            return self._intakes.setdefault(stream, queue.SimpleQueue())
 
     @contextlib.contextmanager
     def _routes_recorded(self) -> Iterator[dict]:

@@ -24,6 +24,12 @@ class RunReward:
     def needs_model(self) -> bool:
         return any(t.kind == "model" for t in self.terms)
 
+    @property
+    def needs_main_thread(self) -> bool:
+        """math-verify's parse timeouts are signals, which only a process's main thread receives:
+        such a term scores in the driver, not in the rollout service's background thread."""
+        return any(t.kind == "math_verify" for t in self.terms)
+
     def score(self, inputs: list[RewardInput], model_scores: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Weighted sum [B] and each term's unweighted values, named ``reward/<kind>``; an

@@ -25,13 +25,14 @@ from megarl.data.prompts import PromptItem
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
 from megarl.rollout.episodes import Trajectory
-from megarl.rollout.remote import episode_item, submit_episodes, submit_generation, submit_groups
+from megarl.rollout.group_streams import GroupStreams, groups_as_they_finish, open_group_streams
+from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.trainer import partial_rollouts
 from megarl.trainer.batch import RolloutBatch, build_batch, turn_reward_tensor
 from megarl.trainer.partial_rollouts import PartialRollout
 from megarl.trainer.rewards import RunReward
-from megarl.utils.abort import RUN_ABORT, wait_all
+from megarl.utils.abort import wait_all
 
 # Sampling seeds: one per step, distinct across steps and runs with different seeds.
 _SEED_STRIDE = 100_003
@@ -69,11 +70,10 @@ class PendingRollout:
     index: int
     version: int
     prompt_ids: list[int]
-    # Ray object refs, one per engine, in engine order; rollout.granularity=group: (first prompt's
-    # index, object ref generator) pairs
-    calls: list
+    calls: list  # Ray object refs, one per engine, in engine order (none: rollout.granularity=group)
     finished: Future | None = None  # collecting and scoring it in the background (``finish_ahead``)
     submitted_at: float = field(default_factory=time.monotonic)
+    group_streams: GroupStreams | None = None  # rollout.granularity=group: the groups in flight
 
 
 class RolloutManager:
@@ -97,6 +97,11 @@ class RolloutManager:
     def needs_reward_model(self) -> bool:
         return self.reward.needs_model
 
+    @property
+    def _scores_ahead(self) -> bool:
+        """Whether a batch is scored as it comes in: by the reward terms alone, off the main thread."""
+        return not self.reward.needs_model and not self.reward.needs_main_thread
+
     def submit(self, index: int, version: int) -> PendingRollout:
         """Draws batch ``index``'s prompts and asks for ``rollout.n`` responses to each, the prompts
         split over the engines; returns at once. The engines refuse if their weights are not
@@ -104,13 +109,14 @@ class RolloutManager:
         ids = self.dataset.next_ids()
         items = [self.dataset.items[i] for i in ids]
         sampling = self._sampling(index, version)
+        pending = PendingRollout(index, version, ids, calls=[])
         if self.cfg.env is not None:
-            calls = submit_episodes(self.engines, [episode_item(item) for item in items], sampling, self.cfg)
+            pending.calls = submit_episodes(self.engines, [episode_item(item) for item in items], sampling, self.cfg)
         elif self.cfg.rollout.granularity == "group":
-            calls = submit_groups(self.engines, self._tokenize(items), sampling)
+            pending.group_streams = open_group_streams(self.engines, self._tokenize(items), sampling,
+                                                       self.cfg.rollout.max_num_seqs)
         else:
-            calls = submit_generation(self.engines, self._tokenize(items), sampling)
-        pending = PendingRollout(index, version, ids, calls)
+            pending.calls = submit_generation(self.engines, self._tokenize(items), sampling)
         if self._ahead is not None:
             pending.finished = self._ahead.submit(self._collect_and_score, pending)
         return pending
@@ -151,46 +157,30 @@ class RolloutManager:
         return self._collect_and_score(pending)
 
     def _collect_and_score(self, pending: PendingRollout) -> Rollout:
-        if self.cfg.rollout.granularity == "group" and self.cfg.env is None:
+        if pending.group_streams is not None:
             return self._collect_groups(pending)
         rollout = self._collect(pending)
-        if not self.needs_reward_model:
+        if self._scores_ahead:
             rollout.scored = self.score(rollout)
         return rollout
 
     def _collect_groups(self, pending: PendingRollout) -> Rollout:
         """``rollout.granularity: group``: each group decoded and scored by the reward terms as it
         arrives, while the engines generate the rest; the batch in prompt order once all are in."""
-        import ray
-
         groups: list[list[RolloutSample] | None] = [None] * len(pending.prompt_ids)
         inputs: list[list[RewardInput] | None] = [None] * len(pending.prompt_ids)
-        terms: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
-        streams = {stream: first for first, stream in pending.calls}
+        terms: list[tuple[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]] = []
         arrivals = []
-        timeout_s = self.cfg.trainer.step_timeout_s
-        deadline = time.monotonic() + timeout_s
-        while streams:
-            RUN_ABORT.check()
-            ready, _ = ray.wait(list(streams), num_returns=1, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            for stream in ready:
-                try:
-                    i, samples = ray.get(next(stream))  # an engine's error is raised here
-                except StopIteration:
-                    del streams[stream]
-                    continue
-                i += streams[stream]
-                arrivals.append(time.monotonic() - pending.submitted_at)
-                groups[i] = samples
-                inputs[i] = self._reward_inputs(pending.prompt_ids[i:i + 1], [samples])
-                if not self.needs_reward_model:
-                    terms.append((i, self.reward.score(inputs[i])))
-            if streams and time.monotonic() >= deadline:
-                raise TimeoutError(f"generation did not finish within {timeout_s:.0f} s")
+        for i, samples in groups_as_they_finish(pending.group_streams, self.cfg.trainer.step_timeout_s):
+            arrivals.append(time.monotonic() - pending.submitted_at)
+            groups[i] = samples
+            inputs[i] = self._reward_inputs(pending.prompt_ids[i:i + 1], [samples])
+            if self._scores_ahead:
+                terms.append((i, self.reward.score(inputs[i])))
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
         rollout = Rollout(batch, [x for group in inputs for x in group], pending.index, pending.version,
                           pending.prompt_ids, groups, group_arrival_s=(arrivals[0], arrivals[-1]))
-        if not self.needs_reward_model:  # the groups' term scores, in prompt order, then the penalties
+        if self._scores_ahead:  # the groups' term scores, in prompt order, then the penalties
             rollout.scored = score_rollout(self.cfg, self.reward, rollout, terms=_in_order(terms))
         return rollout
 

@@ -4,8 +4,9 @@ The driver asks the service for step s's batch (``take``) and, around a weight s
 checkpoint, for the queue's hand-overs (``drain``, ``resume``, ``save``). Everything else happens
 in the service while the trainer works: it draws prompts from the dataset cursor, has the engines
 generate up to ``trainer.max_staleness`` batches ahead, and as soon as the engines return a batch
-a background thread assembles it and scores it with the reward terms (a reward model's score is
-the trainer's: the driver adds it), so that a batch is ready to train on when its step comes. The
+a background thread assembles it and scores it with the reward terms, so that a batch is ready
+to train on when its step comes (with a reward model, whose score is the trainer's, or a term that
+needs a main thread, the driver scores the batch). The
 fence (no batch outside the staleness bound) and the order of batches stay the queue's
 (``megarl.trainer.rollout_queue``): the service changes where the work runs, not what it computes,
 and a run repeats its metrics bit for bit.

@@ -340,7 +340,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
 def schedule_errors(cfg: RunConfig) -> list[str]:
     """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
     something to overlap and single-turn samples (an episode's turns are not interruptible yet);
-    groups stream from single-turn generation in one piece."""
+    groups go out and come back whole, from single-turn generation in one piece."""
     tr, errors = cfg.trainer, []
     if tr.schedule not in ("exact", "opportunistic"):
         errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")

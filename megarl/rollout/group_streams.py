@@ -1,0 +1,89 @@
+"""``rollout.granularity: group``: a batch's prompts handed to the engines a group at a time.
+
+Each engine first gets as many groups as its running batch holds (``max_num_seqs`` sequences,
+``n`` to a group); after that a waiting group goes to the engine whose group just finished, the
+first to have room, so an engine that draws short answers takes more of the batch and none waits
+on another's long tail. Every group comes back on its own as soon as its last sample finishes
+(``VLLMEngine.serve_groups``, a Ray streaming generator). The samples do not depend on which
+engine draws them: sample j of every prompt is seeded ``seed + j`` on any engine, as in a whole
+batch's ``generate``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.utils.abort import RUN_ABORT
+
+_stream_ids = itertools.count(1)  # unique in the process that submits: one per (batch, engine) call
+
+
+@dataclass
+class GroupStreams:
+    """One batch in flight, a group at a time: each engine's stream, and the groups not yet handed out."""
+
+    engines: list  # Ray handles of the engines that got groups
+    streams: list[int]  # each engine's serve_groups call id
+    calls: list  # each engine's object ref generator
+    waiting: deque = field(default_factory=deque)  # (index in the batch, prompt token ids)
+    closed: bool = False
+
+
+def open_group_streams(engines: list, prompts: list[list[int]], sampling: SamplingConfig,
+                       max_num_seqs: int) -> GroupStreams:
+    """Starts one ``serve_groups`` call per engine with the groups that fill its running batch;
+    returns at once."""
+    per_engine = max(1, max_num_seqs // max(1, sampling.n))
+    waiting = deque(enumerate(prompts))
+    out = GroupStreams([], [], [], waiting)
+    for engine in engines:
+        if not waiting:
+            break
+        first = [waiting.popleft() for _ in range(min(per_engine, len(waiting)))]
+        stream = next(_stream_ids)
+        engine.add_groups.remote(stream, first)
+        out.engines.append(engine)
+        out.streams.append(stream)
+        out.calls.append(engine.serve_groups.options(num_returns="streaming").remote(stream, sampling))
+    _close_if_done(out)
+    return out
+
+
+def groups_as_they_finish(batch: GroupStreams, timeout_s: float) -> Iterator[tuple[int, list[RolloutSample]]]:
+    """Every group of the batch as ``(index in the batch, samples)``, in the order they finish,
+    handing each waiting group to the engine that just returned one. Raises an engine's error,
+    ``Aborted`` when the run is aborted, ``TimeoutError`` after ``timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    live = dict(enumerate(batch.calls))  # engine position -> its generator
+    while live:
+        RUN_ABORT.check()
+        ready, _ = ray.wait(list(live.values()), num_returns=1,
+                            timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        for call in ready:
+            e = next(k for k, v in live.items() if v is call)
+            try:
+                index, samples = ray.get(next(call))
+            except StopIteration:
+                del live[e]
+                continue
+            if batch.waiting:  # the engine that finished a group has room for the next
+                batch.engines[e].add_groups.remote(batch.streams[e], [batch.waiting.popleft()])
+                _close_if_done(batch)
+            yield index, samples
+        if live and time.monotonic() >= deadline:
+            raise TimeoutError(f"generation did not finish within {timeout_s:.0f} s")
+
+
+def _close_if_done(batch: GroupStreams) -> None:
+    """Once every group is handed out, each stream ends after its last one."""
+    if not batch.waiting and not batch.closed:
+        for engine, stream in zip(batch.engines, batch.streams, strict=True):
+            engine.add_groups.remote(stream, [])
+        batch.closed = True
