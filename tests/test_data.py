@@ -307,6 +307,9 @@ def test_microbatch_plans_cover_every_sequence_and_never_cross_a_boundary(mode):
 def test_fixed_plans_keep_todays_microbatches():
     plans = plan_microbatches([5, 3, 8, 2], width=8, micro_batch_size=2)
     assert [(p.index, p.rows, p.width) for p in plans] == [([0, 1], 2, 8), ([2, 3], 2, 8)]
+    # a width the sequence dimension must divide by (2 x cp = 4 chunks, say) is padded up to it
+    plans = plan_microbatches([5, 3, 6, 2], width=6, micro_batch_size=2, multiple=4)
+    assert [(p.index, p.rows, p.width, p.length) for p in plans] == [([0, 1], 2, 8, [5, 3]), ([2, 3], 2, 8, [6, 2])]
     with pytest.raises(ValueError, match="4 sequences per data-parallel rank are not a multiple of micro_batch_size=3"):
         plan_microbatches([5, 3, 8, 2], width=8, micro_batch_size=3)
     with pytest.raises(ValueError, match="sequence 2 has 9 tokens > width 8"):

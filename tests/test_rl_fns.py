@@ -81,11 +81,16 @@ def test_policy_update_matches_transformers_at_every_layout(pools, tiny_models):
                 ParallelConfig(cp=2, world_size=4),
                 ParallelConfig(tp=2, cp=2, world_size=4, sequence_parallel=True)):
         pool = pools.get(4)
-        # with the old log-probs given (off-policy form), and on-policy (the update's own, detached)
-        for given in (batch, on_policy):
+        # with the old log-probs given (off-policy form), and on-policy (the update's own, detached);
+        # under context parallelism also in token-budget micro-batches (rows cut to their longest
+        # sequence, rounded up to what 2 x cp chunks split)
+        runs = [(batch, {}), (on_policy, {})]
+        if par.cp > 1:
+            runs.append((on_policy, {"max_tokens_per_microbatch": 40}))
+        for given, budget in runs:
             pool.run(megatron_model.load, key="actor", source=hf, parallel=par)
             results = [r for r in pool.run(rl_fns.train_policy, key="actor", batch=given, algo=algo, optim=optim,
-                                           micro_batch_size=1) if r is not None]
+                                           micro_batch_size=1, **budget) if r is not None]
             steps = [r["steps"] for r in results]
             # per data-parallel shard partial sums of the global loss and clip fraction
             pg_loss = sum(s[0]["pg_loss"] for s in steps)

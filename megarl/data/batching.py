@@ -236,7 +236,7 @@ def plan_microbatches(lengths: Sequence[int], width: int, micro_batch_size: int,
     """Splits sequences of ``lengths`` tokens (right-padded to ``width``) into micro-batches.
 
     - neither option: ``micro_batch_size`` consecutive sequences per micro-batch, each
-      ``[micro_batch_size, width]`` as given (today's fixed shapes);
+      ``[micro_batch_size, width]`` as given (today's fixed shapes; the width rounded up to ``multiple``);
     - ``max_tokens``: ``token_budget_microbatches`` groups, each cut to its longest
       sequence (rounded up to ``multiple``), so ``rows x width <= max_tokens`` up to rounding;
     - ``pack``: sequences packed end to end (``first_fit_decreasing``), with ``max_tokens``
@@ -245,8 +245,9 @@ def plan_microbatches(lengths: Sequence[int], width: int, micro_batch_size: int,
       fullest row. (Local attention on CPU materialises ``width x width`` scores per head,
       so there a long packed row costs more attention than the padded rows it replaces.)
 
-    ``multiple`` is what the sequence dimension must divide by (the TP size under
-    sequence parallelism). Deterministic in its inputs, so every rank of a shard
+    ``multiple`` is what the sequence dimension must divide by
+    (``models.context_parallel.sequence_multiple``: the TP size under sequence parallelism, times
+    2 x CP under context parallelism). Deterministic in its inputs, so every rank of a shard
     builds the same plan.
     """
     n = len(lengths)
@@ -259,7 +260,7 @@ def plan_microbatches(lengths: Sequence[int], width: int, micro_batch_size: int,
                              f"micro_batch_size={micro_batch_size}")
         return [MicroBatchPlan(index=list(range(i, i + micro_batch_size)), row=list(range(micro_batch_size)),
                                start=[0] * micro_batch_size, length=list(lengths[i:i + micro_batch_size]),
-                               rows=micro_batch_size, width=width)
+                               rows=micro_batch_size, width=_round_up(width, multiple))
                 for i in range(0, n, micro_batch_size)]
     if n == 0:
         return []

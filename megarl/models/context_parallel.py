@@ -21,6 +21,12 @@ import torch
 from megarl.platform.cp_attention import global_positions, own_share, to_sequence_order
 
 
+def sequence_multiple(tp: int, sequence_parallel: bool, cp: int) -> int:
+    """What a row's width must divide by: the tp ranks' shares under sequence parallelism, times
+    the 2 x cp load-balanced chunks under context parallelism."""
+    return (tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+
+
 @dataclass(frozen=True)
 class CpSplit:
     """This rank's share of rows ``width`` tokens wide."""

@@ -19,7 +19,7 @@ def forward_outputs(chunks: list, microbatches: list[torch.Tensor]) -> list[torc
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megarl.models.context_parallel import CpSplit
+    from megarl.models.context_parallel import CpSplit, sequence_multiple
     from megarl.models.rope_positions import rope_at
 
     device = next(chunks[0].parameters()).device
@@ -31,7 +31,7 @@ def forward_outputs(chunks: list, microbatches: list[torch.Tensor]) -> list[torc
     cp = ps.get_context_parallel_world_size()
     # context parallelism: each rank runs its 2 of 2 cp chunks (the rows right-padded to split; causal
     # attention keeps the padding out of the real positions) and the group gathers the outputs
-    multiple = 2 * cp * (ps.get_tensor_model_parallel_world_size() if chunks[0].config.sequence_parallel else 1)
+    multiple = sequence_multiple(ps.get_tensor_model_parallel_world_size(), chunks[0].config.sequence_parallel, cp)
     width = -(-seq // multiple) * multiple if cp > 1 else seq
     split = CpSplit(cp, ps.get_context_parallel_rank(), width) if cp > 1 else None
 

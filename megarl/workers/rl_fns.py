@@ -11,7 +11,6 @@ micro-batch to the algorithm (``megarl.algorithms``) as a typed micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from megarl.algorithms.base import VALUE_METRICS, Metric, PolicyMicroBatch, ValueMicroBatch, combine
 from megarl.algorithms.registry import get_algorithm
 from megarl.config.schema import AlgorithmConfig
-from megarl.models.context_parallel import CpSplit
+from megarl.models.context_parallel import CpSplit, sequence_multiple
 from megarl.models.logprobs import next_token_logprobs
 from megarl.models.vocab_parallel import vocab_parallel_stats
 from megarl.workers.megatron_model import HeldModel, held
@@ -81,8 +80,7 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
     share = share and select and par.cp == 1 and current_platform().layer_spec_kind != "te"
     trimmed = max_tokens is not None or pack or share
     lengths = _lengths(shard, width) if trimmed else [width] * n
-    # the sequence dimension splits over tp (sequence parallelism) and into 2 cp chunks
-    multiple = (par.tp if par.sequence_parallel else 1) * (2 * par.cp if par.cp > 1 else 1)
+    multiple = sequence_multiple(par.tp, par.sequence_parallel, par.cp)
     device = next(model.chunks[0].parameters()).device
     if share:
         prompts = _prompt_lens(shard, lengths)
@@ -91,8 +89,6 @@ def _microbatches(model: HeldModel, shard: dict[str, Any], micro_batch_size: int
         plans = plan_shared_prompts(lengths, prompts, same, micro_batch_size, max_tokens, multiple)
     else:
         plans = plan_microbatches(lengths, width, micro_batch_size, max_tokens, pack, multiple)
-    if par.cp > 1:  # fixed rows keep the batch's width: pad it to what splits
-        plans = [replace(plan, width=-(-plan.width // multiple) * multiple) for plan in plans]
     out = []
     for plan in plans:
         index = torch.tensor(plan.index)
@@ -206,11 +202,14 @@ def _label_stats(logits: torch.Tensor, mb: dict[str, Any], vocab: int, entropy: 
         lp, ent = vocab_parallel_stats(logits, split.next_tokens(mb["tokens"]), vocab, entropy=entropy)
         keep = mb.get("cp_keep", mb["valid"])
 
-        def place(x):
-            x = _per_label(split.gather(x)[:, :-1], mb)
+        def place(gathered):
+            x = _per_label(gathered[:, :-1], mb)
             return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
-        return (place(lp), place(ent)) if entropy else place(lp)
+        if not entropy:
+            return place(split.gather(lp))
+        both = split.gather(torch.stack((lp, ent), dim=-1))  # one all-gather for the two
+        return place(both[..., 0]), place(both[..., 1])
     if "selected_at" in mb:
         lp, ent = vocab_parallel_stats(logits[0], mb["selected_labels"], vocab, entropy=entropy)
         b, t = mb["valid"].shape
