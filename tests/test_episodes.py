@@ -67,6 +67,37 @@ def episodes(engine):
     return _run(engine)
 
 
+def test_an_interrupt_drops_the_unfinished_episodes_and_keeps_the_finished(engine):
+    """trainer.schedule=opportunistic with episodes (rollout.partial=regenerate): ``interrupt`` of
+    the call's epoch ends ``generate_episodes`` at the next decoding step; the unfinished episodes
+    come back as None and the finished ones whole; the engine then runs a later call to its end."""
+    import time
+
+    import ray
+    import reasoning_gym
+
+    from megarl.rollout.remote import episode_requests, submit_episode_requests
+
+    entries = reasoning_gym.create_dataset("products", size=6, seed=9, min_terms=2, max_terms=2,
+                                           min_digits=2, max_digits=3)
+    items = [EpisodeItem(e["question"] + " Use the calculator tool.", {"entry": e, "answer": e["answer"]})
+             for e in entries]
+    cfg = RunConfig(env=EnvConfig(kind="tools", tools=[ToolConfig("calculator")], prelude=PRELUDE, max_turns=3),
+                    rewards=[RewardTermConfig(kind="reasoning_gym", extractor="last_number")])
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len = 160, 1024
+    sampling = SamplingConfig(temperature=1.0, max_tokens=160, n=2, stop_token_ids=[2], seed=3)
+    requests = episode_requests(items, sampling, cfg)
+    call = submit_episode_requests(engine, requests, sampling, cfg, epoch=7)
+    time.sleep(2.0)
+    ray.get(engine.interrupt.remote(7), timeout=60)
+    out = ray.get(call, timeout=300)
+    assert len(out) == len(requests) and any(t is None for t in out), [t and t.finish_reason for t in out]
+    assert all(t.turns and t.finish_reason in ("done", "length", "turns", "env_error") for t in out if t is not None)
+    cfg.env.max_turns, cfg.rollout.max_tokens = 1, 8  # a short episode is enough to show the engine is free
+    again = ray.get(submit_episode_requests(engine, requests[:2], sampling, cfg, epoch=8), timeout=300)
+    assert all(t is not None and t.turns for t in again)
+
+
 def test_a_trajectory_is_the_prompt_then_each_turn_as_generated_then_each_observation(episodes, tokenizer):
     multi = [t for t in episodes if len(t.turns) > 1]
     assert multi, "no episode called the calculator: the prelude should make some do"

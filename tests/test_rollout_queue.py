@@ -220,6 +220,44 @@ def test_interrupted_batches_and_token_versions_round_trip_exactly(manager, tmp_
                                                                           ([4, 5], 6, 40 + 7919)]
 
 
+def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
+    """Opportunistic schedule with episodes (rollout.partial=regenerate): a checkpoint keeps an
+    interrupted batch's finished episodes with their versions; the others read back unfinished, with
+    the requests (items after the prelude, seeds) they were first submitted with, to start over."""
+    from transformers import AutoTokenizer
+
+    from megarl.config.schema import DataConfig, EnvConfig, RunConfig
+    from megarl.data.prompts import prompt_dataset
+    from megarl.rollout.episodes import Trajectory
+    from megarl.trainer.rewards import RunReward
+    from megarl.trainer.rollout_manager import RolloutManager
+
+    cfg = RunConfig(data=DataConfig(source="reasoning_gym:chain_sum", size=32, prompts_per_step=2),
+                    env=EnvConfig(kind="single_turn", prelude=[{"role": "user", "content": "1 + 1?"},
+                                                               {"role": "assistant", "content": "2"}]))
+    cfg.rollout.n = 2
+    manager = RolloutManager(cfg, [], AutoTokenizer.from_pretrained(str(smollm2)), prompt_dataset(cfg.data),
+                             RunReward(cfg.rewards))
+    batch = manager.episode_batch(5, [3, 13], group_size=2)
+    seed = cfg.seed * 100_003 + 5  # batch 5's sampling seed; episode k of the batch: + 1000 k
+    assert [r.seed for r in batch.requests] == [seed + 1000 * k for k in range(4)]
+    assert [m.content for m in batch.requests[0].item.context[:2]] == ["1 + 1?", "2"]
+    done = {1: Trajectory([1, 2], [3, 4, 5], [1, 1, 1], [-0.5, -0.25, -2.5e-9], "done", 1.0, turns=[[3, 4, 5]],
+                          info={"answered": 1.0}, turn_rewards=[1.0]),
+            2: Trajectory([6], [7], [1], [-1.0000000000001], "length", 0.0, turns=[[7]], turn_rewards=[0.0])}
+    for i, episode in done.items():
+        batch.episodes[i], batch.versions[i] = episode, 3 + i
+    queue = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
+    queue.batches[5] = batch
+    queue.next_index = 6
+    queue.save(tmp_path)
+    restored = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
+    restored.load(tmp_path, queue.state_dict())
+    got = restored.batches[5]
+    assert got.episodes == [None, done[1], done[2], None] and got.versions == [-1, 4, 5, -1]
+    assert got.requests == batch.requests and not got.finished and not got.in_flight
+
+
 def test_work_is_split_over_engines_in_contiguous_shares_that_keep_groups_whole():
     from megarl.utils.shares import contiguous_shares
 

@@ -43,14 +43,23 @@ class RolloutEngine(Protocol):
         "interrupted", the tokens so far returned) once ``interrupt`` reaches ``epoch``."""
 
     def interrupt(self, epoch: int) -> None:
-        """Stops the ``generate_segments`` calls of ``epoch`` or earlier at their next step;
-        answers while generation blocks."""
+        """Stops the ``generate_segments`` (and interruptible ``generate_episodes``) calls of
+        ``epoch`` or earlier at their next step; answers while generation blocks."""
 
     def generate_episodes(self, requests: list[Any], sampling: SamplingConfig, env: Any, rewards: list[Any],
-                          limits: Any) -> list[Any]:
+                          limits: Any, epoch: int | None = None) -> list[Any]:
         """Multi-turn episodes (``EpisodeRequest`` in, ``Trajectory`` out, in order) against
         ``env`` (an ``EnvConfig``), final answers scored by the ``rewards`` terms; the same
-        version fence as ``generate``."""
+        version fence as ``generate``. With ``epoch``, ``interrupt`` of it drops the unfinished
+        episodes (None in their places)."""
+
+    def add_groups(self, stream: int, prompts: list[tuple[int, list[int]]]) -> None:
+        """More prompts (index in the batch, token ids) for ``serve_groups`` call ``stream``, in
+        either order with that call; an empty list closes it. Answers while generation blocks."""
+
+    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Any:
+        """A streaming call (``rollout.granularity: group``): every prompt ``add_groups`` sends,
+        each prompt's ``sampling.n`` samples yielded as ``(index, samples)`` when they finish."""
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""

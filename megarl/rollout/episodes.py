@@ -97,6 +97,8 @@ class TurnBackend(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def abort(self) -> list[FinishedTurn]: ...
+
 
 class _Episode:
     def __init__(self, index: int, request: EpisodeRequest, env: Environment):
@@ -131,8 +133,11 @@ class EpisodeRunner:
         self.backend, self.renderer, self.make_env = backend, renderer, make_env
         self.limits, self.loop = limits, loop
 
-    def run(self, requests: list[EpisodeRequest]) -> list[Trajectory]:
-        """Every request's episode, in request order."""
+    def run(self, requests: list[EpisodeRequest], stop: Callable[[], bool] | None = None
+            ) -> list[Trajectory | None]:
+        """Every request's episode, in request order. ``stop`` (checked before each decoding step):
+        once it says so, the unfinished episodes are dropped (their turns aborted, their
+        environments closed) and come back as None; the finished ones are kept."""
         waiting = deque(range(len(requests)))
         episodes: dict[int, _Episode] = {}
         generating: dict[str, _Episode] = {}
@@ -166,6 +171,9 @@ class EpisodeRunner:
 
         start_more()
         while episodes or waiting:
+            if stop is not None and stop():
+                self._drop(episodes, stepping)
+                return [done.get(i) for i in range(len(requests))]
             if self.backend.has_unfinished():
                 for turn in self.backend.step():
                     self._turn_done(generating.pop(turn.request_id), turn, stepping, finish)
@@ -199,6 +207,15 @@ class EpisodeRunner:
                 held.clear()
             start_more()
         return [done[i] for i in range(len(requests))]
+
+    def _drop(self, episodes: dict[int, _Episode], stepping: dict) -> None:
+        """An interruption: the unfinished episodes' turns and environment calls stop, and their
+        environments close (best effort, as for a finished episode)."""
+        self.backend.abort()
+        for future in stepping:
+            future.cancel()
+        for episode in episodes.values():
+            self.loop.submit(episode.env.close())
 
     # -- one turn's end, one observation's arrival ----------------------------------------------
 

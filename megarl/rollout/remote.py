@@ -59,18 +59,27 @@ def submit_generation(engines: list, prompts: list[list[int]], sampling: Samplin
 def submit_episodes(engines: list, items: list[EpisodeItem], sampling: SamplingConfig, cfg: RunConfig) -> list:
     """Asks the engines for ``sampling.n`` episodes of each item with ``cfg.env`` (a group's
     episodes on one engine, where they share the prompt's cache), items split as
-    ``submit_generation`` splits prompts; one object ref per engine that got items. Episode j
-    of item i samples with seed ``sampling.seed`` + 1000 * (i * n + j) + turn."""
+    ``submit_generation`` splits prompts; one object ref per engine that got items."""
+    requests = episode_requests(items, sampling, cfg)
+    parts = contiguous_shares(requests, len(engines), unit=sampling.n)
+    return [submit_episode_requests(e, p, sampling, cfg) for e, p in zip(engines, parts, strict=True) if p]
+
+
+def episode_requests(items: list[EpisodeItem], sampling: SamplingConfig, cfg: RunConfig) -> list[EpisodeRequest]:
+    """``sampling.n`` episodes of each item, its context after ``cfg.env.prelude``; episode j of
+    item i samples with seed ``sampling.seed`` + 1000 * (i * n + j) + turn."""
     n = sampling.n
     prelude = tuple(Message(m["role"], m["content"], m.get("name")) for m in cfg.env.prelude)
     items = [replace(item, context=prelude + item.context) for item in items]
-    requests = [EpisodeRequest(item, None if sampling.seed is None else sampling.seed + 1000 * (i * n + j))
-                for i, item in enumerate(items) for j in range(n)]
-    turn = replace(sampling, n=1)
-    limits = episode_limits(cfg)
-    parts = contiguous_shares(requests, len(engines), unit=n)
-    return [e.generate_episodes.remote(p, turn, cfg.env, cfg.rewards, limits)
-            for e, p in zip(engines, parts, strict=True) if p]
+    return [EpisodeRequest(item, None if sampling.seed is None else sampling.seed + 1000 * (i * n + j))
+            for i, item in enumerate(items) for j in range(n)]
+
+
+def submit_episode_requests(engine: Any, requests: list[EpisodeRequest], sampling: SamplingConfig, cfg: RunConfig,
+                            epoch: int | None = None) -> Any:
+    """One engine's call for ``requests`` (with ``epoch``: interruptible, the opportunistic schedule)."""
+    return engine.generate_episodes.remote(requests, replace(sampling, n=1), cfg.env, cfg.rewards,
+                                           episode_limits(cfg), epoch)
 
 
 def episode_limits(cfg: RunConfig, max_turn_tokens: int | None = None) -> EpisodeLimits:

@@ -291,9 +291,12 @@ class VLLMEngine:
                 for request, rid in zip(requests, order, strict=True)]
 
     def generate_episodes(self, requests: list[EpisodeRequest], sampling: SamplingConfig, env: EnvConfig,
-                          rewards: list[RewardTermConfig], limits: EpisodeLimits) -> list[Trajectory]:
+                          rewards: list[RewardTermConfig], limits: EpisodeLimits,
+                          epoch: int | None = None) -> list[Trajectory | None]:
         """Multi-turn episodes with ``env`` (``megarl.rollout.episodes``), in request order; one
-        generation request per turn, the engine batching the turns of all episodes in flight."""
+        generation request per turn, the engine batching the turns of all episodes in flight.
+        With ``epoch`` (the opportunistic schedule), ``interrupt`` of that epoch drops the unfinished
+        episodes at the next decoding step: they come back as None, to be generated again."""
         from megarl.rollout.episodes import EpisodeRunner
         from megarl.rollout.vllm_turns import VLLMTurns
 
@@ -303,12 +306,13 @@ class VLLMEngine:
         runner = EpisodeRunner(VLLMTurns(self.llm, self._tokenizer(), sampling), renderer, make_env, limits,
                                self._env_loop())
         try:
+            stop = None if epoch is None else (lambda: self._interrupted_through >= epoch)
             with self._routes_recorded() as captured:
-                episodes = runner.run(requests)
+                episodes = runner.run(requests, stop)
         finally:
             self._generate_seconds += time.perf_counter() - started
         if self.routing_replay:  # an episode's last turn ran every token before its last one
-            for t in episodes:
+            for t in [t for t in episodes if t is not None]:
                 t.routes = routes_of_samples(captured, t.prompt_ids, t.response_ids, t.response_mask)
         return episodes
 

@@ -24,12 +24,13 @@ from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
-from megarl.rollout.episodes import Trajectory
+from megarl.rollout.episodes import EpisodeRequest, Trajectory
 from megarl.rollout.group_streams import GroupStreams, groups_as_they_finish, open_group_streams
-from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
+from megarl.rollout.remote import episode_item, episode_requests, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
-from megarl.trainer import partial_rollouts
+from megarl.trainer import partial_episodes, partial_rollouts
 from megarl.trainer.batch import RolloutBatch, build_batch, turn_reward_tensor
+from megarl.trainer.partial_episodes import PartialEpisodes
 from megarl.trainer.partial_rollouts import PartialRollout
 from megarl.trainer.rewards import RunReward
 from megarl.utils.abort import wait_all
@@ -61,6 +62,9 @@ class Rollout:
     # rollout.granularity=group: seconds from the batch's submission to the first and to the last
     # group's arrival (how much of generation a group's scoring could overlap); None: whole batches
     group_arrival_s: tuple[float, float] | None = None
+    # Episodes under the opportunistic schedule: how many were dropped by an interruption and
+    # generated again under newer weights (rollout.partial=regenerate); None otherwise
+    restarted_episodes: int | None = None
 
 
 @dataclass
@@ -121,34 +125,59 @@ class RolloutManager:
             pending.finished = self._ahead.submit(self._collect_and_score, pending)
         return pending
 
-    def submit_partial(self, index: int, version: int, epoch: int) -> PartialRollout:
-        """Like ``submit``, as interruptible segments (``trainer.schedule: opportunistic``)."""
+    def submit_partial(self, index: int, version: int, epoch: int) -> PartialRollout | PartialEpisodes:
+        """Like ``submit``, as interruptible segments (``trainer.schedule: opportunistic``), or
+        with ``env``, interruptible episodes."""
         ids = self.dataset.next_ids()
-        prompts = self._tokenize([self.dataset.items[i] for i in ids])
         sampling = self._sampling(index, version)
+        if self.cfg.env is not None:
+            batch = partial_episodes.new_batch(index, ids, self._episode_requests(ids, sampling), sampling.n)
+            partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
+            return batch
+        prompts = self._tokenize([self.dataset.items[i] for i in ids])
         batch = partial_rollouts.new_batch(index, ids, prompts, sampling.n, sampling.seed)
         partial_rollouts.submit(batch, self.engines, sampling, version, epoch)
         return batch
 
-    def continue_partial(self, batch: PartialRollout, version: int, epoch: int) -> None:
+    def continue_partial(self, batch: PartialRollout | PartialEpisodes, version: int, epoch: int) -> None:
         """Submits a batch's unfinished samples again, after a weight sync: from where they stopped
-        (``rollout.partial: continue``) or from scratch (``regenerate``)."""
-        partial_rollouts.submit(batch, self.engines, self._sampling(batch.index, version), version, epoch,
-                                regenerate=self.cfg.rollout.partial == "regenerate")
+        (``rollout.partial: continue``) or from scratch (``regenerate``; episodes always)."""
+        sampling = self._sampling(batch.index, version)
+        if isinstance(batch, PartialEpisodes):
+            partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
+        else:
+            partial_rollouts.submit(batch, self.engines, sampling, version, epoch,
+                                    regenerate=self.cfg.rollout.partial == "regenerate")
 
-    def collect_partial(self, batch: PartialRollout) -> None:
-        partial_rollouts.collect(batch, self.cfg.trainer.step_timeout_s)
+    def collect_partial(self, batch: PartialRollout | PartialEpisodes) -> None:
+        home = partial_episodes if isinstance(batch, PartialEpisodes) else partial_rollouts
+        home.collect(batch, self.cfg.trainer.step_timeout_s)
 
     def interrupt(self, epoch: int) -> None:
         partial_rollouts.interrupt(self.engines, epoch, self.cfg.trainer.collective_timeout_s)
 
-    def assemble_partial(self, batch: PartialRollout) -> Rollout:
+    def assemble_partial(self, batch: PartialRollout | PartialEpisodes) -> Rollout:
         """A finished partial batch as a ``Rollout``; its version is its oldest token's."""
+        if isinstance(batch, PartialEpisodes):
+            n = batch.group_size
+            groups = [[t.sample() for t in batch.episodes[i:i + n]] for i in range(0, len(batch.episodes), n)]
+            rollout = self.assemble(batch.index, min(batch.versions), batch.prompt_ids, groups, list(batch.episodes))
+            rollout.token_versions = partial_episodes.token_versions(batch)
+            rollout.restarted_episodes = batch.restarts
+            return rollout
         groups, versions = partial_rollouts.samples(batch)
         oldest = min(v for vs in versions for v in vs)
         rollout = self.assemble(batch.index, oldest, batch.prompt_ids, groups)
         rollout.token_versions = versions
         return rollout
+
+    def episode_batch(self, index: int, prompt_ids: list[int], group_size: int) -> PartialEpisodes:
+        """Batch ``index``'s episodes as first submitted, none finished (a checkpoint's read-back)."""
+        return partial_episodes.new_batch(index, prompt_ids, self._episode_requests(
+            prompt_ids, self._sampling(index, None)), group_size)
+
+    def _episode_requests(self, ids: list[int], sampling: SamplingConfig) -> list[EpisodeRequest]:
+        return episode_requests([episode_item(self.dataset.items[i]) for i in ids], sampling, self.cfg)
 
     def collect(self, pending: PendingRollout) -> Rollout:
         """Waits for a submitted batch (``trainer.step_timeout_s``) and assembles it."""
@@ -226,7 +255,7 @@ class RolloutManager:
         with self._tokenizer_lock:
             return tokenize_prompts(self.tokenizer, items, self.cfg.data.max_prompt_len, overlong="truncate_left").ids
 
-    def _sampling(self, index: int, version: int) -> SamplingConfig:
+    def _sampling(self, index: int, version: int | None) -> SamplingConfig:
         r = self.cfg.rollout
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
                               n=r.n, stop_token_ids=[self.tokenizer.eos_token_id],

@@ -33,10 +33,12 @@ import torch
 
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
+from megarl.trainer.partial_episodes import PartialEpisodes
 from megarl.trainer.partial_rollouts import PartialRollout, Slot
 from megarl.trainer.rollout_manager import PendingRollout, Rollout, RolloutManager
 
 BUFFER_FILE = "rollout_buffer.safetensors"
+Partial = PartialRollout | PartialEpisodes  # an opportunistic batch: single-turn samples or episodes
 
 
 class StaleRollout(RuntimeError):
@@ -47,7 +49,7 @@ class RolloutQueue:
     def __init__(self, manager: RolloutManager, max_staleness: int, last_step: int, schedule: str = "exact"):
         self.manager, self.max_staleness, self.last_step = manager, max_staleness, last_step
         self.opportunistic = schedule == "opportunistic"
-        self.batches: dict[int, PendingRollout | PartialRollout | Rollout] = {}  # by batch number, in order
+        self.batches: dict[int, PendingRollout | Partial | Rollout] = {}  # by batch number, in order
         self.next_index = 1  # the next batch to submit
         self.epoch = 0  # opportunistic: calls submitted since the last interruption
 
@@ -64,7 +66,7 @@ class RolloutQueue:
         if step not in self.batches:
             raise StaleRollout(f"batch {step} was never submitted (queue holds {sorted(self.batches)})")
         queued = self.batches.pop(step)
-        if isinstance(queued, PartialRollout):
+        if isinstance(queued, Partial):
             while not queued.finished:  # nothing interrupts it now: it finishes under version step - 1
                 if not queued.in_flight:
                     self.manager.continue_partial(queued, step - 1, self.epoch)
@@ -90,19 +92,19 @@ class RolloutQueue:
         for index, queued in self.batches.items():
             if isinstance(queued, PendingRollout):
                 self.batches[index] = self.manager.collect(queued)
-            elif isinstance(queued, PartialRollout):
+            elif isinstance(queued, Partial):
                 self.manager.collect_partial(queued)
 
     def resume(self, version: int) -> None:
         """After ``drain`` (and a weight sync to ``version``): the interrupted batches' unfinished
         samples generate again (opportunistic schedule; nothing to do in the exact one)."""
         for queued in self.batches.values():
-            if isinstance(queued, PartialRollout) and not queued.finished and not queued.in_flight:
+            if isinstance(queued, Partial) and not queued.finished and not queued.in_flight:
                 self.manager.continue_partial(queued, version, self.epoch)
 
     @property
     def in_flight(self) -> int:
-        return sum(isinstance(q, PendingRollout) or (isinstance(q, PartialRollout) and q.in_flight)
+        return sum(isinstance(q, PendingRollout) or (isinstance(q, Partial) and q.in_flight)
                    for q in self.batches.values())
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -120,6 +122,18 @@ class RolloutQueue:
             raise RuntimeError("RolloutQueue.save: batches are still in flight; drain() first")
         tensors, entries = {}, []
         for index, rollout in sorted(self.batches.items()):
+            if isinstance(rollout, PartialEpisodes):  # the finished episodes; the rest start over
+                done = [i for i, t in enumerate(rollout.episodes) if t is not None]
+                finished = [rollout.episodes[i] for i in done]
+                if finished:
+                    tensors |= _sample_tensors(index, [t.sample() for t in finished])
+                    tensors |= _episode_tensors(index, finished)
+                entries.append({"index": index, "partial_episodes": True, "prompt_ids": rollout.prompt_ids,
+                                "group_size": rollout.group_size, "done": done,
+                                "versions": [rollout.versions[i] for i in done],
+                                "episodes": [{"finish_reason": t.finish_reason, "info": t.info, "error": t.error}
+                                             for t in finished]})
+                continue
             if isinstance(rollout, PartialRollout):
                 tensors |= _slot_tensors(index, rollout.slots)
                 entries.append({"index": index, "partial": True, "prompt_ids": rollout.prompt_ids,
@@ -129,15 +143,7 @@ class RolloutQueue:
                                 "finish_reasons": [slot.finish_reason for slot in rollout.slots]})
                 continue
             samples = [s for group in rollout.groups for s in group]
-            tensors |= {
-                f"{index}.prompt_tokens": _ints([t for s in samples for t in s.prompt_ids]),
-                f"{index}.prompt_lens": _ints([len(s.prompt_ids) for s in samples]),
-                f"{index}.response_tokens": _ints([t for s in samples for t in s.response_ids]),
-                f"{index}.response_lens": _ints([len(s.response_ids) for s in samples]),
-                # float64 holds the engines' Python floats exactly
-                f"{index}.logprobs": torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64),
-                f"{index}.logprob_lens": _ints([len(s.logprobs) for s in samples]),
-            }
+            tensors |= _sample_tensors(index, samples)
             entry = {"index": index, "version": rollout.version, "prompt_ids": rollout.prompt_ids,
                      "group_size": len(rollout.groups[0]), "finish_reasons": [s.finish_reason for s in samples]}
             if samples[0].routes is not None:  # R3: the experts each token went to, [tokens, layers, k]
@@ -168,13 +174,16 @@ class RolloutQueue:
                 if entry.get("partial"):
                     self.batches[index] = _read_partial(f, entry)
                     continue
-                read = {name: f.get_tensor(f"{index}.{name}") for name in
-                        ("prompt_tokens", "prompt_lens", "response_tokens", "response_lens", "logprobs",
-                         "logprob_lens")}
-                samples = [RolloutSample(p, r, lp, reason) for p, r, lp, reason in zip(
-                    _split(read["prompt_tokens"], read["prompt_lens"]),
-                    _split(read["response_tokens"], read["response_lens"]),
-                    _split(read["logprobs"], read["logprob_lens"]), entry["finish_reasons"], strict=True)]
+                if entry.get("partial_episodes"):
+                    batch = self.manager.episode_batch(index, entry["prompt_ids"], entry["group_size"])
+                    if entry["done"]:
+                        reasons = [t["finish_reason"] for t in entry["episodes"]]
+                        finished = _read_episodes(f, index, _read_samples(f, index, reasons), entry["episodes"])
+                        for i, episode, version in zip(entry["done"], finished, entry["versions"], strict=True):
+                            batch.episodes[i], batch.versions[i] = episode, version
+                    self.batches[index] = batch
+                    continue
+                samples = _read_samples(f, index, entry["finish_reasons"])
                 if f"{index}.routes" in f.keys():
                     routes = f.get_tensor(f"{index}.routes")
                     for s, part in zip(samples, torch.split(routes, [len(s.prompt_ids) + len(s.response_ids)
@@ -188,8 +197,21 @@ class RolloutQueue:
                 groups = [samples[i:i + n] for i in range(0, len(samples), n)]
                 rollout = self.manager.assemble(index, entry["version"], entry["prompt_ids"], groups, episodes)
                 if f"{index}.token_versions" in f.keys():
-                    rollout.token_versions = _split(f.get_tensor(f"{index}.token_versions"), read["response_lens"])
+                    lengths = torch.tensor([len(s.response_ids) for s in samples])
+                    rollout.token_versions = _split(f.get_tensor(f"{index}.token_versions"), lengths)
                 self.batches[index] = rollout
+
+
+def _sample_tensors(index: int, samples: list[RolloutSample]) -> dict[str, torch.Tensor]:
+    return {
+        f"{index}.prompt_tokens": _ints([t for s in samples for t in s.prompt_ids]),
+        f"{index}.prompt_lens": _ints([len(s.prompt_ids) for s in samples]),
+        f"{index}.response_tokens": _ints([t for s in samples for t in s.response_ids]),
+        f"{index}.response_lens": _ints([len(s.response_ids) for s in samples]),
+        # float64 holds the engines' Python floats exactly
+        f"{index}.logprobs": torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64),
+        f"{index}.logprob_lens": _ints([len(s.logprobs) for s in samples]),
+    }
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -210,6 +232,14 @@ def _slot_tensors(index: int, slots: list[Slot]) -> dict[str, torch.Tensor]:
         f"{index}.logprobs": torch.tensor([lp for s in slots for lp in s.logprobs], dtype=torch.float64),
         f"{index}.token_versions": _ints([v for s in slots for v in s.versions]),
     }
+
+
+def _read_samples(f, index: int, finish_reasons: list[str]) -> list[RolloutSample]:
+    read = {name: f.get_tensor(f"{index}.{name}") for name in
+            ("prompt_tokens", "prompt_lens", "response_tokens", "response_lens", "logprobs", "logprob_lens")}
+    return [RolloutSample(p, r, lp, reason) for p, r, lp, reason in zip(
+        _split(read["prompt_tokens"], read["prompt_lens"]), _split(read["response_tokens"], read["response_lens"]),
+        _split(read["logprobs"], read["logprob_lens"]), finish_reasons, strict=True)]
 
 
 def _read_partial(f, entry: dict) -> PartialRollout:
