@@ -16,7 +16,7 @@ from megarl.config.schema import RunConfig
 from megarl.rollout.episodes import EpisodeRequest, Trajectory
 from megarl.rollout.remote import submit_episode_requests
 from megarl.rollout.sampling import SamplingConfig
-from megarl.utils.abort import wait_all
+from megarl.trainer.partial_rollouts import take_answers
 from megarl.utils.shares import contiguous_shares
 
 
@@ -63,16 +63,11 @@ def submit(batch: PartialEpisodes, engines: list, sampling: SamplingConfig, cfg:
 
 def collect(batch: PartialEpisodes, timeout_s: float) -> None:
     """Waits for the batch's calls (``timeout_s``); keeps each episode that finished."""
-    if not batch.in_flight:
-        return
-    answers = wait_all(batch.calls, timeout_s, "generation")
-    for part, episodes in zip(batch.call_slots, answers, strict=True):
-        for i, episode in zip(part, episodes, strict=True):
-            if episode is not None:
-                batch.episodes[i], batch.versions[i] = episode, batch.call_version
-            else:
-                batch.restarts += 1
-    batch.calls, batch.call_slots = [], []
+    for i, episode in take_answers(batch, timeout_s):
+        if episode is not None:
+            batch.episodes[i], batch.versions[i] = episode, batch.call_version
+        else:
+            batch.restarts += 1
 
 
 def token_versions(batch: PartialEpisodes) -> list[list[int]]:

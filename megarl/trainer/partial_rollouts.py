@@ -14,6 +14,7 @@ batch's seed + j, as vLLM's n samples of one request do, and segment s with that
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils.abort import wait_all
@@ -102,13 +103,20 @@ def submit(batch: PartialRollout, engines: list, sampling: SamplingConfig, versi
 
 def collect(batch: PartialRollout, timeout_s: float) -> None:
     """Waits for the batch's calls (``timeout_s``) and adds each segment to its slot."""
+    for i, segment in take_answers(batch, timeout_s):
+        batch.slots[i].add(segment, batch.call_version)
+
+
+def take_answers(batch: PartialRollout | Any, timeout_s: float) -> list[tuple[int, Any]]:
+    """Waits for a partial batch's calls (``timeout_s``): (slot, its answer) for every slot asked,
+    and the calls are forgotten. A batch with ``calls`` and ``call_slots`` (episodes too)."""
     if not batch.in_flight:
-        return
+        return []
     answers = wait_all(batch.calls, timeout_s, "generation")
-    for part, segments in zip(batch.call_slots, answers, strict=True):
-        for i, segment in zip(part, segments, strict=True):
-            batch.slots[i].add(segment, batch.call_version)
+    taken = [(i, answer) for part, got in zip(batch.call_slots, answers, strict=True)
+             for i, answer in zip(part, got, strict=True)]
     batch.calls, batch.call_slots = [], []
+    return taken
 
 
 def interrupt(engines: list, epoch: int, timeout_s: float) -> None:

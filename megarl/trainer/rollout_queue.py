@@ -224,14 +224,8 @@ def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[list]:
 
 def _slot_tensors(index: int, slots: list[Slot]) -> dict[str, torch.Tensor]:
     """An interrupted batch's samples as far as they got: tokens, log-probs, per-token versions."""
-    return {
-        f"{index}.prompt_tokens": _ints([t for s in slots for t in s.prompt_ids]),
-        f"{index}.prompt_lens": _ints([len(s.prompt_ids) for s in slots]),
-        f"{index}.response_tokens": _ints([t for s in slots for t in s.response_ids]),
-        f"{index}.response_lens": _ints([len(s.response_ids) for s in slots]),
-        f"{index}.logprobs": torch.tensor([lp for s in slots for lp in s.logprobs], dtype=torch.float64),
-        f"{index}.token_versions": _ints([v for s in slots for v in s.versions]),
-    }
+    return (_sample_tensors(index, [slot.sample() for slot in slots])
+            | {f"{index}.token_versions": _ints([v for s in slots for v in s.versions])})
 
 
 def _read_samples(f, index: int, finish_reasons: list[str]) -> list[RolloutSample]:
