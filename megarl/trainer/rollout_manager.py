@@ -206,9 +206,9 @@ class RolloutManager:
             inputs[i] = self._reward_inputs(pending.prompt_ids[i:i + 1], [samples])
             if self._scores_ahead:
                 terms.append((i, self.reward.score(inputs[i])))
-        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
-        rollout = Rollout(batch, [x for group in inputs for x in group], pending.index, pending.version,
-                          pending.prompt_ids, groups, group_arrival_s=(arrivals[0], arrivals[-1]))
+        rollout = self.assemble(pending.index, pending.version, pending.prompt_ids, groups,
+                                reward_inputs=[x for group in inputs for x in group])
+        rollout.group_arrival_s = (arrivals[0], arrivals[-1])
         if self._scores_ahead:  # the groups' term scores, in prompt order, then the penalties
             rollout.scored = score_rollout(self.cfg, self.reward, rollout, terms=_in_order(terms))
         return rollout
@@ -224,10 +224,13 @@ class RolloutManager:
         return self.assemble(pending.index, pending.version, pending.prompt_ids, groups, episodes)
 
     def assemble(self, index: int, version: int, prompt_ids: list[int], groups: list[list[RolloutSample]],
-                 episodes: list[Trajectory] | None = None) -> Rollout:
-        """A batch from the engines' samples (fresh, or read back from a checkpoint)."""
+                 episodes: list[Trajectory] | None = None, reward_inputs: list[RewardInput] | None = None) -> Rollout:
+        """A batch from the engines' samples (fresh, or read back from a checkpoint); ``reward_inputs``:
+        the samples' texts when they were decoded already (group by group, as they came in)."""
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
-        return Rollout(batch, self._reward_inputs(prompt_ids, groups), index, version, prompt_ids, groups, episodes)
+        if reward_inputs is None:
+            reward_inputs = self._reward_inputs(prompt_ids, groups)
+        return Rollout(batch, reward_inputs, index, version, prompt_ids, groups, episodes)
 
     def _reward_inputs(self, prompt_ids: list[int], groups: list[list[RolloutSample]]) -> list[RewardInput]:
         """What the reward terms read of each sample: texts, and the item's metadata (the answer)."""
