@@ -4,6 +4,8 @@ token reproduced by transformers on the whole trajectory, loss masks, overlap an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -67,16 +69,18 @@ def episodes(engine):
     return _run(engine)
 
 
-def test_an_interrupt_drops_the_unfinished_episodes_and_keeps_the_finished(engine):
-    """trainer.schedule=opportunistic with episodes (rollout.partial=regenerate): ``interrupt`` of
-    the call's epoch ends ``generate_episodes`` at the next decoding step; the unfinished episodes
-    come back as None and the finished ones whole; the engine then runs a later call to its end."""
-    import time
+@pytest.fixture(scope="module")
+def hf_model(smollm2):
+    import transformers
 
-    import ray
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+
+
+def _interruptible_requests(max_tokens: int = 160):
+    """Six tool-using questions, two episodes each, with turns long enough for an interrupt to cut."""
     import reasoning_gym
 
-    from megarl.rollout.remote import episode_requests, submit_episode_requests
+    from megarl.rollout.remote import episode_requests
 
     entries = reasoning_gym.create_dataset("products", size=6, seed=9, min_terms=2, max_terms=2,
                                            min_digits=2, max_digits=3)
@@ -84,9 +88,51 @@ def test_an_interrupt_drops_the_unfinished_episodes_and_keeps_the_finished(engin
              for e in entries]
     cfg = RunConfig(env=EnvConfig(kind="tools", tools=[ToolConfig("calculator")], prelude=PRELUDE, max_turns=3),
                     rewards=[RewardTermConfig(kind="reasoning_gym", extractor="last_number")])
-    cfg.rollout.max_tokens, cfg.rollout.max_model_len = 160, 1024
-    sampling = SamplingConfig(temperature=1.0, max_tokens=160, n=2, stop_token_ids=[2], seed=3)
-    requests = episode_requests(items, sampling, cfg)
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len = max_tokens, 1024
+    sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens, n=2, stop_token_ids=[2], seed=3)
+    return episode_requests(items, sampling, cfg), sampling, cfg
+
+
+def _assert_token_exact(t) -> None:
+    """A trajectory is its turns and observations, in order; engine log-probs on policy tokens only."""
+    rebuilt, mask = [], []
+    for i, turn in enumerate(t.turns):
+        rebuilt += turn
+        mask += [1] * len(turn)
+        if i < len(t.observations):
+            rebuilt += t.observations[i]
+            mask += [0] * len(t.observations[i])
+    assert t.response_ids == rebuilt and t.response_mask == mask
+    assert len(t.logprobs) == len(t.response_ids) == len(t.versions)
+    assert all(lp == 0.0 for lp, m in zip(t.logprobs, mask, strict=True) if not m)
+
+
+def _worst_logprob_gap(model, trajectories) -> float:
+    """The largest gap between the engine's log-prob of a policy token and transformers' on the
+    whole trajectory, scored once (fp32 on both sides; T = 1: processed log-probs are the raw ones)."""
+    worst = 0.0
+    for t in trajectories:
+        seq = torch.tensor([t.prompt_ids + t.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(seq).logits[0, :-1].float(), -1)
+        start = len(t.prompt_ids) - 1
+        got = logp[start:].gather(-1, seq[0, start + 1:].unsqueeze(-1)).squeeze(-1)
+        mask = torch.tensor(t.response_mask, dtype=torch.bool)
+        worst = max(worst, (got[mask] - torch.tensor(t.logprobs)[mask]).abs().max().item())
+    return worst
+
+
+def test_an_interrupt_drops_the_unfinished_episodes_and_keeps_the_finished(engine):
+    """trainer.schedule=opportunistic with episodes (rollout.partial=regenerate): ``interrupt`` of
+    the call's epoch ends ``generate_episodes`` at the next decoding step; the unfinished episodes
+    come back as None and the finished ones whole; the engine then runs a later call to its end."""
+    import time
+
+    import ray
+
+    from megarl.rollout.remote import submit_episode_requests
+
+    requests, sampling, cfg = _interruptible_requests()
     call = submit_episode_requests(engine, requests, sampling, cfg, epoch=7)
     time.sleep(2.0)
     ray.get(engine.interrupt.remote(7), timeout=60)
@@ -98,42 +144,59 @@ def test_an_interrupt_drops_the_unfinished_episodes_and_keeps_the_finished(engin
     assert all(t is not None and t.turns for t in again)
 
 
+def test_an_interrupt_suspends_the_unfinished_episodes_and_continue_goes_on_from_there(engine, hf_model):
+    """rollout.partial=continue: the interrupted call suspends its unfinished episodes on the
+    engine (cut turns keep their tokens, environments their state); after the weight version
+    moves on, ``continue_episodes`` finishes them. Each token records its version (a cut turn
+    holds both), and transformers on the whole trajectory reproduces every policy token's
+    log-prob: each continuation ran on exactly the tokens before it."""
+    import time
+
+    import ray
+
+    from megarl.rollout.remote import submit_episode_requests
+
+    requests, sampling, cfg = _interruptible_requests()
+    ray.get(engine.set_weight_version.remote(0), timeout=60)
+    first = submit_episode_requests(engine, requests, replace(sampling, weight_version=0), cfg, epoch=9, keep="b1")
+    time.sleep(2.0)
+    ray.get(engine.interrupt.remote(9), timeout=60)
+    out = ray.get(first, timeout=300)
+    waiting = [i for i, t in enumerate(out) if t is None]
+    assert waiting, "the interrupt found every episode finished: nothing was tested"
+    ray.get(engine.set_weight_version.remote(1), timeout=60)  # as a weight sync leaves it
+    try:
+        rest = ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1, weight_version=1), 10),
+                       timeout=300)
+    finally:
+        ray.get(engine.set_weight_version.remote(0), timeout=60)
+    assert len(rest) == len(waiting) and all(t is not None for t in rest)
+    assert all(set(t.versions) == {0} for t in out if t is not None)
+    spanning = [t for t in rest if set(t.versions) == {0, 1}]
+    assert spanning, [sorted(set(t.versions)) for t in rest]
+    for t in rest:
+        _assert_token_exact(t)
+        assert t.finish_reason in ("done", "length", "turns", "env_error") and t.versions == sorted(t.versions)
+    assert _worst_logprob_gap(hf_model, spanning[:4]) < 1e-3
+    with pytest.raises(ray.exceptions.RayTaskError, match="no episodes suspended as 'b1'"):
+        ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), 11), timeout=60)
+
+
 def test_a_trajectory_is_the_prompt_then_each_turn_as_generated_then_each_observation(episodes, tokenizer):
     multi = [t for t in episodes if len(t.turns) > 1]
     assert multi, "no episode called the calculator: the prelude should make some do"
     for t in episodes:
-        rebuilt, mask = [], []
-        for i, turn in enumerate(t.turns):
-            rebuilt += turn
-            mask += [1] * len(turn)
-            if i < len(t.observations):
-                rebuilt += t.observations[i]
-                mask += [0] * len(t.observations[i])
-        assert t.response_ids == rebuilt and t.response_mask == mask
-        assert len(t.logprobs) == len(t.response_ids)
-        assert all(lp == 0.0 for lp, m in zip(t.logprobs, mask, strict=True) if not m)
+        _assert_token_exact(t)
     for t in multi:  # an observation is a tool message, then the assistant header
         text = tokenizer.decode(t.observations[0])
         assert text.startswith("\n<|im_start|>tool\n") and text.endswith("<|im_start|>assistant\n")
 
 
-def test_the_engines_logprobs_of_policy_tokens_match_transformers_on_the_whole_trajectory(episodes, smollm2):
+def test_the_engines_logprobs_of_policy_tokens_match_transformers_on_the_whole_trajectory(episodes, hf_model):
     """Each turn was generated from the trajectory's own tokens (no re-tokenised context):
     transformers, scoring the whole trajectory once, gives every policy token the log-prob the
-    engine sampled it with (fp32 on both sides; T = 1, so processed log-probs are the raw ones)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
-    worst = 0.0
-    for t in [t for t in episodes if len(t.turns) > 1][:4]:
-        seq = torch.tensor([t.prompt_ids + t.response_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(seq).logits[0, :-1].float(), -1)
-        start = len(t.prompt_ids) - 1
-        got = logp[start:].gather(-1, seq[0, start + 1:].unsqueeze(-1)).squeeze(-1)
-        mask = torch.tensor(t.response_mask, dtype=torch.bool)
-        worst = max(worst, (got[mask] - torch.tensor(t.logprobs)[mask]).abs().max().item())
-    assert worst < 1e-3, worst
+    engine sampled it with."""
+    assert _worst_logprob_gap(hf_model, [t for t in episodes if len(t.turns) > 1][:4]) < 1e-3
 
 
 def test_episodes_score_answers_and_count_tool_calls(episodes):

@@ -221,9 +221,10 @@ def test_interrupted_batches_and_token_versions_round_trip_exactly(manager, tmp_
 
 
 def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
-    """Opportunistic schedule with episodes (rollout.partial=regenerate): a checkpoint keeps an
-    interrupted batch's finished episodes with their versions; the others read back unfinished, with
-    the requests (items after the prelude, seeds) they were first submitted with, to start over."""
+    """Opportunistic schedule with episodes: a checkpoint keeps an interrupted batch's finished
+    episodes with their versions (per token: with rollout.partial=continue a turn may span two);
+    the others read back unfinished, with the requests (items after the prelude, seeds) they were
+    first submitted with, to start over: an episode suspended on an engine is not in the checkpoint."""
     from transformers import AutoTokenizer
 
     from megarl.config.schema import DataConfig, EnvConfig, RunConfig
@@ -243,10 +244,12 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
     assert [r.seed for r in batch.requests] == [seed + 1000 * k for k in range(4)]
     assert [m.content for m in batch.requests[0].item.context[:2]] == ["1 + 1?", "2"]
     done = {1: Trajectory([1, 2], [3, 4, 5], [1, 1, 1], [-0.5, -0.25, -2.5e-9], "done", 1.0, turns=[[3, 4, 5]],
-                          info={"answered": 1.0}, turn_rewards=[1.0]),
-            2: Trajectory([6], [7], [1], [-1.0000000000001], "length", 0.0, turns=[[7]], turn_rewards=[0.0])}
+                          info={"answered": 1.0}, turn_rewards=[1.0], versions=[4, 4, 5]),
+            2: Trajectory([6], [7], [1], [-1.0000000000001], "length", 0.0, turns=[[7]], turn_rewards=[0.0],
+                          versions=[5])}
     for i, episode in done.items():
         batch.episodes[i], batch.versions[i] = episode, 3 + i
+    batch.homes[0] = batch.homes[3] = (1, "5.0")  # suspended on engine 1
     queue = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
     queue.batches[5] = batch
     queue.next_index = 6
@@ -255,7 +258,9 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
     restored.load(tmp_path, queue.state_dict())
     got = restored.batches[5]
     assert got.episodes == [None, done[1], done[2], None] and got.versions == [-1, 4, 5, -1]
+    assert [t.versions for t in got.episodes[1:3]] == [[4, 4, 5], [5]]
     assert got.requests == batch.requests and not got.finished and not got.in_flight
+    assert got.homes == [None] * 4
 
 
 def test_work_is_split_over_engines_in_contiguous_shares_that_keep_groups_whole():

@@ -47,11 +47,18 @@ class RolloutEngine(Protocol):
         ``epoch`` or earlier at their next step; answers while generation blocks."""
 
     def generate_episodes(self, requests: list[Any], sampling: SamplingConfig, env: Any, rewards: list[Any],
-                          limits: Any, epoch: int | None = None) -> list[Any]:
+                          limits: Any, epoch: int | None = None, keep: str | None = None) -> list[Any]:
         """Multi-turn episodes (``EpisodeRequest`` in, ``Trajectory`` out, in order) against
         ``env`` (an ``EnvConfig``), final answers scored by the ``rewards`` terms; the same
-        version fence as ``generate``. With ``epoch``, ``interrupt`` of it drops the unfinished
-        episodes (None in their places)."""
+        version fence as ``generate``. With ``epoch``, ``interrupt`` of it stops the unfinished
+        episodes (None in their places): dropped, or with ``keep`` suspended under that name."""
+
+    def continue_episodes(self, keep: str, sampling: SamplingConfig, epoch: int) -> list[Any]:
+        """The episodes suspended under ``keep`` go on with the weights held now (in request order;
+        None: suspended again by ``interrupt`` of ``epoch``)."""
+
+    def drop_episodes(self, keep: str) -> None:
+        """Forgets the episodes suspended under ``keep`` (their environments close)."""
 
     def add_groups(self, stream: int, prompts: list[tuple[int, list[int]]]) -> None:
         """More prompts (index in the batch, token ids) for ``serve_groups`` call ``stream``, in

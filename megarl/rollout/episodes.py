@@ -12,6 +12,12 @@ Token-exact by construction: a trajectory is the opening prompt, then each turn'
 as the engine produced them, then each observation's ids as rendered (``ChatRenderer``); the
 next turn's prompt is that concatenation, never a re-tokenisation of decoded text. The mask
 marks the engine's tokens (trained) and the observations' (context only).
+
+Interruptible (the opportunistic schedule): ``run``'s ``stop`` ends a call at the next decoding
+step. The unfinished episodes are then dropped (``rollout.partial: regenerate``: they start over)
+or suspended (``continue``): each cut turn keeps its tokens, every environment its state and its
+call in flight, and ``resume`` on the engine's next call (after a weight sync) goes on from there;
+``Trajectory.versions`` records which weights generated each token.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 
 from megarl.data.chat import ChatRenderer
 from megarl.envs.base import Environment, EpisodeItem, StepResult
-from megarl.rollout.sampling import RolloutSample
+from megarl.rollout.sampling import SEGMENT_SEED_STRIDE, RolloutSample
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,9 @@ class Trajectory:
     # turn whose step failed or timed out has none, so there may be one fewer than ``turns``.
     turn_rewards: list[float] = field(default_factory=list)
     routes: torch.Tensor | None = None  # R3: the experts of every token (``RolloutSample.routes``)
+    # The weight version each response token was generated under (an observation's: the version
+    # in force when it was inserted); one version unless a turn continued across a weight sync.
+    versions: list[int] = field(default_factory=list)
 
     def sample(self) -> RolloutSample:
         reason = "stop" if self.finish_reason == "done" else "length"
@@ -105,6 +114,10 @@ class _Episode:
         self.index, self.request, self.env = index, request, env
         self.traj = Trajectory([], [], [], [], "", 0.0)
         self.turn_ended = True  # the last turn ended with the end-of-turn token (not a length limit)
+        # A turn an interruption cut (``suspend``): its tokens so far (already in the trajectory),
+        # and how many calls it has had; the next call continues it from there.
+        self.open_turn: list[int] = []
+        self.turn_segments = 0
 
     def context(self) -> list[int]:
         return self.traj.prompt_ids + self.traj.response_ids
@@ -112,6 +125,22 @@ class _Episode:
     def add_info(self, info: dict[str, float]) -> None:
         for key, value in info.items():
             self.traj.info[key] = self.traj.info.get(key, 0.0) + float(value)
+
+
+@dataclass
+class _Progress:
+    """Every episode of one batch of requests, as far as it got (across ``run`` and ``resume``)."""
+
+    requests: list[EpisodeRequest]
+    waiting: deque  # request indices not started
+    episodes: dict[int, _Episode] = field(default_factory=dict)  # started, unfinished
+    generating: dict[str, _Episode] = field(default_factory=dict)  # request id -> its episode
+    stepping: dict[cf.Future, tuple[_Episode, str, float]] = field(default_factory=dict)  # -> episode, what, deadline
+    held: list[tuple[_Episode, list[int]]] = field(default_factory=list)  # observations at the lockstep barrier
+    paused: list[_Episode] = field(default_factory=list)  # turns cut by ``suspend``, to continue
+    done: dict[int, Trajectory] = field(default_factory=dict)  # finished, not yet answered
+    owed: list[int] = field(default_factory=list)  # the requests not yet answered, in order
+    suspended_at: float = 0.0
 
 
 class EventLoopThread:
@@ -128,132 +157,187 @@ class EventLoopThread:
 
 
 class EpisodeRunner:
+    """Runs one batch of episode requests on a backend. ``version`` is recorded with every
+    response token (the weight version the engine holds; see ``Trajectory.versions``)."""
+
     def __init__(self, backend: TurnBackend, renderer: ChatRenderer, make_env: Callable[[], Environment],
-                 limits: EpisodeLimits, loop: EventLoopThread):
+                 limits: EpisodeLimits, loop: EventLoopThread, version: int = 0):
         self.backend, self.renderer, self.make_env = backend, renderer, make_env
-        self.limits, self.loop = limits, loop
+        self.limits, self.loop, self.version = limits, loop, version
+        self._p: _Progress | None = None
 
-    def run(self, requests: list[EpisodeRequest], stop: Callable[[], bool] | None = None
-            ) -> list[Trajectory | None]:
+    def run(self, requests: list[EpisodeRequest], stop: Callable[[], bool] | None = None,
+            suspend: bool = False) -> list[Trajectory | None]:
         """Every request's episode, in request order. ``stop`` (checked before each decoding step):
-        once it says so, the unfinished episodes are dropped (their turns aborted, their
-        environments closed) and come back as None; the finished ones are kept."""
-        waiting = deque(range(len(requests)))
-        episodes: dict[int, _Episode] = {}
-        generating: dict[str, _Episode] = {}
-        stepping: dict[cf.Future, tuple[_Episode, str, float]] = {}  # future -> episode, what, deadline
-        held: list[tuple[_Episode, list[int]]] = []  # observations waiting for the lockstep barrier
-        done: dict[int, Trajectory] = {}
+        once it says so, the unfinished episodes come back as None and are either dropped (their
+        turns aborted, their environments closed) or, with ``suspend``, kept for ``resume``: each
+        cut turn keeps the tokens it has, environments keep their state and calls in flight."""
+        self._p = _Progress(list(requests), deque(range(len(requests))), owed=list(range(len(requests))))
+        return self._drive(stop, suspend)
 
-        def start_more() -> None:
-            while waiting and len(episodes) < self.limits.max_concurrent:
-                index = waiting.popleft()
-                episode = episodes[index] = _Episode(index, requests[index], self.make_env())
-                self._submit(stepping, episode, "reset", episode.env.reset(episode.request.item))
+    @property
+    def suspended(self) -> bool:
+        """Whether episodes wait for ``resume`` (``run`` or ``resume`` stopped with ``suspend``)."""
+        return self._p is not None and bool(self._p.owed)
 
-        def finish(episode: _Episode, reason: str) -> None:
-            episode.traj.finish_reason = reason
-            done[episode.index] = episode.traj
-            del episodes[episode.index]
-            self.loop.submit(episode.env.close())  # best effort: a failed close does not undo an episode
+    def resume(self, backend: TurnBackend, version: int, stop: Callable[[], bool] | None = None,
+               suspend: bool = False) -> list[Trajectory | None]:
+        """Continues the suspended episodes on ``backend`` (the engine's next call) with weights
+        ``version``: each cut turn goes on from its tokens, seeded anew. Answers the episodes that
+        were unfinished, in request order (None: stopped again)."""
+        p = self._p
+        assert p is not None and p.owed, "resume: nothing is suspended"
+        self.backend, self.version = backend, version
+        idle = time.monotonic() - p.suspended_at
+        p.stepping = {f: (episode, what, deadline + idle) for f, (episode, what, deadline) in p.stepping.items()}
+        paused, p.paused = p.paused, []
+        for episode in paused:
+            self._queue_turn(episode)
+        return self._drive(stop, suspend)
 
-        def queue_turn(episode: _Episode) -> None:
-            traj, lim = episode.traj, self.limits
-            budget = min(lim.max_turn_tokens, lim.max_episode_tokens - len(traj.response_ids),
-                         lim.max_model_len - len(episode.context()))
-            if budget <= 0:
-                finish(episode, "length")
-                return
-            seed = None if episode.request.seed is None else episode.request.seed + len(traj.turns)
-            request_id = f"{episode.index}.{len(traj.turns)}"
-            generating[request_id] = episode
-            self.backend.add(request_id, episode.context(), budget, seed)
+    def close(self) -> None:
+        """Drops what is suspended: environment calls cancelled, environments closed (best effort)."""
+        if self._p is not None:
+            for future in self._p.stepping:
+                future.cancel()
+            for episode in self._p.episodes.values():
+                self.loop.submit(episode.env.close())
+            self._p = None
 
-        start_more()
-        while episodes or waiting:
+    def _drive(self, stop: Callable[[], bool] | None, suspend: bool) -> list[Trajectory | None]:
+        p = self._p
+        self._start_more()
+        while p.episodes or p.waiting:
             if stop is not None and stop():
-                self._drop(episodes, stepping)
-                return [done.get(i) for i in range(len(requests))]
+                if suspend:
+                    self._suspend()
+                else:
+                    self._drop()
+                break
             if self.backend.has_unfinished():
                 for turn in self.backend.step():
-                    self._turn_done(generating.pop(turn.request_id), turn, stepping, finish)
-            elif stepping:
-                cf.wait(list(stepping), timeout=0.5, return_when=cf.FIRST_COMPLETED)
-            elif held:
+                    self._turn_done(p.generating.pop(turn.request_id), turn)
+            elif p.stepping:
+                cf.wait(list(p.stepping), timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            elif p.held:
                 pass
-            elif not waiting:
-                raise RuntimeError(f"{len(episodes)} episodes are neither generating nor stepping")
-            for future in [f for f in stepping if f.done() or time.monotonic() > stepping[f][2]]:
-                episode, what, _ = stepping.pop(future)
+            elif not p.waiting:
+                raise RuntimeError(f"{len(p.episodes)} episodes are neither generating nor stepping")
+            for future in [f for f in p.stepping if f.done() or time.monotonic() > p.stepping[f][2]]:
+                episode, what, _ = p.stepping.pop(future)
                 if not future.done():
                     future.cancel()
                     episode.traj.error = f"environment {what} took longer than {self.limits.step_timeout_s} s"
-                    finish(episode, "env_error")
+                    self._finish(episode, "env_error")
                     continue
                 if (exc := future.exception()) is not None:
                     episode.traj.error = f"environment {what} failed: {type(exc).__name__}: {exc}"
-                    finish(episode, "env_error")
+                    self._finish(episode, "env_error")
                     continue
                 if what == "reset":
                     episode.traj.prompt_ids = self.renderer.opening([m.to_chat() for m in future.result()])
-                    queue_turn(episode)
+                    self._queue_turn(episode)
                 else:
-                    self._observed(episode, future.result(), held, finish)
-            if held and (self.limits.overlap or (not generating and not stepping)):
-                for episode, ids in held:
+                    self._observed(episode, future.result())
+            if p.held and (self.limits.overlap or (not p.generating and not p.stepping)):
+                for episode, ids in p.held:
                     self._append(episode, ids, 0, [0.0] * len(ids))
                     episode.traj.observations.append(ids)
-                    queue_turn(episode)
-                held.clear()
-            start_more()
-        return [done[i] for i in range(len(requests))]
+                    self._queue_turn(episode)
+                p.held.clear()
+            self._start_more()
+        answers = [p.done.pop(i, None) for i in p.owed]
+        p.owed = [i for i, t in zip(p.owed, answers, strict=True) if t is None]
+        if not suspend:
+            p.owed = []
+        return answers
 
-    def _drop(self, episodes: dict[int, _Episode], stepping: dict) -> None:
+    def _start_more(self) -> None:
+        p = self._p
+        while p.waiting and len(p.episodes) < self.limits.max_concurrent:
+            index = p.waiting.popleft()
+            episode = p.episodes[index] = _Episode(index, p.requests[index], self.make_env())
+            self._submit(episode, "reset", episode.env.reset(episode.request.item))
+
+    def _finish(self, episode: _Episode, reason: str) -> None:
+        episode.traj.finish_reason = reason
+        self._p.done[episode.index] = episode.traj
+        del self._p.episodes[episode.index]
+        self.loop.submit(episode.env.close())  # best effort: a failed close does not undo an episode
+
+    def _queue_turn(self, episode: _Episode) -> None:
+        """The episode's next policy turn (or the rest of a cut one) goes to the backend."""
+        traj, lim = episode.traj, self.limits
+        budget = min(lim.max_turn_tokens - len(episode.open_turn), lim.max_episode_tokens - len(traj.response_ids),
+                     lim.max_model_len - len(episode.context()))
+        if budget <= 0:
+            if episode.open_turn:  # a cut turn that used up its tokens: it ends as a turn cut by its limit
+                self._turn_done(episode, FinishedTurn("", [], [], False))
+            else:
+                self._finish(episode, "length")
+            return
+        seed = None
+        if episode.request.seed is not None:
+            seed = episode.request.seed + len(traj.turns) + SEGMENT_SEED_STRIDE * episode.turn_segments
+        request_id = f"{episode.index}.{len(traj.turns)}.{episode.turn_segments}"
+        self._p.generating[request_id] = episode
+        self.backend.add(request_id, episode.context(), budget, seed)
+
+    def _drop(self) -> None:
         """An interruption: the unfinished episodes' turns and environment calls stop, and their
         environments close (best effort, as for a finished episode)."""
         self.backend.abort()
-        for future in stepping:
-            future.cancel()
-        for episode in episodes.values():
-            self.loop.submit(episode.env.close())
+        self.close()
+
+    def _suspend(self) -> None:
+        """An interruption that keeps the episodes: each cut turn keeps what it generated."""
+        p = self._p
+        for turn in self.backend.abort():
+            episode = p.generating.pop(turn.request_id)
+            self._append(episode, turn.token_ids, 1, turn.logprobs)
+            episode.open_turn += turn.token_ids
+            episode.turn_segments += 1
+            p.paused.append(episode)
+        p.suspended_at = time.monotonic()
 
     # -- one turn's end, one observation's arrival ----------------------------------------------
 
-    def _turn_done(self, episode: _Episode, turn: FinishedTurn, stepping: dict, finish: Callable) -> None:
+    def _turn_done(self, episode: _Episode, turn: FinishedTurn) -> None:
         # A turn cut by its token limit still goes to the environment (as a single-turn response
         # cut by max_tokens is still scored); the observation then closes the turn first.
-        episode.traj.turns.append(list(turn.token_ids))
+        whole = episode.open_turn + list(turn.token_ids)
+        episode.open_turn, episode.turn_segments = [], 0
+        episode.traj.turns.append(whole)
         episode.turn_ended = turn.stopped
         self._append(episode, turn.token_ids, 1, turn.logprobs)
-        action = self.backend.decode(turn.token_ids)
-        self._submit(stepping, episode, "step", episode.env.step(action))
+        self._submit(episode, "step", episode.env.step(self.backend.decode(whole)))
 
-    def _observed(self, episode: _Episode, result: StepResult, held: list, finish: Callable) -> None:
+    def _observed(self, episode: _Episode, result: StepResult) -> None:
         traj = episode.traj
         traj.reward += float(result.reward)
         traj.turn_rewards.append(float(result.reward))
         episode.add_info(result.info)
         if result.done:
-            finish(episode, "done" if episode.turn_ended else "length")
+            self._finish(episode, "done" if episode.turn_ended else "length")
             return
         if len(traj.turns) >= self.limits.max_turns:
-            finish(episode, "turns")
+            self._finish(episode, "turns")
             return
         ids = self.renderer.observation([m.to_chat() for m in result.observation], turn_ended=episode.turn_ended)
         if len(traj.response_ids) + len(ids) >= self.limits.max_episode_tokens:
-            finish(episode, "length")
+            self._finish(episode, "length")
             return
-        held.append((episode, ids))
+        self._p.held.append((episode, ids))
 
-    def _submit(self, stepping: dict, episode: _Episode, what: str, coro) -> None:
-        stepping[self.loop.submit(coro)] = (episode, what, time.monotonic() + self.limits.step_timeout_s)
+    def _submit(self, episode: _Episode, what: str, coro) -> None:
+        self._p.stepping[self.loop.submit(coro)] = (episode, what, time.monotonic() + self.limits.step_timeout_s)
 
-    @staticmethod
-    def _append(episode: _Episode, ids: list[int], policy: int, logprobs: list[float]) -> None:
+    def _append(self, episode: _Episode, ids: list[int], policy: int, logprobs: list[float]) -> None:
         traj = episode.traj
         traj.response_ids.extend(ids)
         traj.response_mask.extend([policy] * len(ids))
         traj.logprobs.extend(logprobs)
+        traj.versions.extend([self.version] * len(ids))
 
 
 def episode_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:

@@ -76,10 +76,11 @@ def episode_requests(items: list[EpisodeItem], sampling: SamplingConfig, cfg: Ru
 
 
 def submit_episode_requests(engine: Any, requests: list[EpisodeRequest], sampling: SamplingConfig, cfg: RunConfig,
-                            epoch: int | None = None) -> Any:
-    """One engine's call for ``requests`` (with ``epoch``: interruptible, the opportunistic schedule)."""
+                            epoch: int | None = None, keep: str | None = None) -> Any:
+    """One engine's call for ``requests`` (with ``epoch``: interruptible, the opportunistic schedule;
+    with ``keep``, the interrupted episodes are suspended on the engine under that name)."""
     return engine.generate_episodes.remote(requests, replace(sampling, n=1), cfg.env, cfg.rewards,
-                                           episode_limits(cfg), epoch)
+                                           episode_limits(cfg), epoch, keep)
 
 
 def episode_limits(cfg: RunConfig, max_turn_tokens: int | None = None) -> EpisodeLimits:

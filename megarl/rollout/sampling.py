@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# A sample continued after an interruption (``rollout.partial: continue``) samples its s-th
+# piece with its seed + SEGMENT_SEED_STRIDE * s: a fresh stream, the same on any engine.
+SEGMENT_SEED_STRIDE = 7919
+
 
 @dataclass
 class SamplingConfig:

@@ -107,6 +107,7 @@ class VLLMEngine:
         self._hf_tokenizer = None  # multi-turn episodes decode turns and render observations
         self._episode_setups: dict[str, tuple] = {}
         self._loop_thread = None  # the environments' event loop (megarl.rollout.episodes)
+        self._suspended: dict[str, Any] = {}  # EpisodeRunners an interruption suspended (rollout.partial=continue)
         # Interruptible generation: calls of epoch <= this stop at their next decoding step
         self._interrupted_through = -1
         self._segment_ids = 0
@@ -292,29 +293,55 @@ class VLLMEngine:
 
     def generate_episodes(self, requests: list[EpisodeRequest], sampling: SamplingConfig, env: EnvConfig,
                           rewards: list[RewardTermConfig], limits: EpisodeLimits,
-                          epoch: int | None = None) -> list[Trajectory | None]:
+                          epoch: int | None = None, keep: str | None = None) -> list[Trajectory | None]:
         """Multi-turn episodes with ``env`` (``megarl.rollout.episodes``), in request order; one
         generation request per turn, the engine batching the turns of all episodes in flight.
-        With ``epoch`` (the opportunistic schedule), ``interrupt`` of that epoch drops the unfinished
-        episodes at the next decoding step: they come back as None, to be generated again."""
+        With ``epoch`` (the opportunistic schedule), ``interrupt`` of that epoch stops the call at
+        the next decoding step: the unfinished episodes come back as None, dropped (to be generated
+        again), or with ``keep`` suspended here under that name, for ``continue_episodes``."""
         from megarl.rollout.episodes import EpisodeRunner
-        from megarl.rollout.vllm_turns import VLLMTurns
 
         self._check_version(sampling)
-        started = time.perf_counter()
         make_env, renderer = self._episode_setup(env, rewards)
-        runner = EpisodeRunner(VLLMTurns(self.llm, self._tokenizer(), sampling), renderer, make_env, limits,
-                               self._env_loop())
+        runner = EpisodeRunner(self._turns(sampling), renderer, make_env, limits, self._env_loop(),
+                               version=self.weight_version)
+        return self._run_episodes(runner, epoch, keep, lambda stop: runner.run(requests, stop, keep is not None))
+
+    def continue_episodes(self, keep: str, sampling: SamplingConfig, epoch: int) -> list[Trajectory | None]:
+        """``rollout.partial: continue``: the episodes a call suspended under ``keep`` go on from
+        where the interruption left them, each cut turn with the weights held now; answers them in
+        request order (None: suspended again by ``interrupt`` of ``epoch``)."""
+        self._check_version(sampling)
+        runner = self._suspended.pop(keep, None)
+        if runner is None:
+            raise RuntimeError(f"rollout engine: no episodes suspended as {keep!r} (held: {sorted(self._suspended)})")
+        return self._run_episodes(runner, epoch, keep,
+                                  lambda stop: runner.resume(self._turns(sampling), self.weight_version, stop, True))
+
+    def drop_episodes(self, keep: str) -> None:
+        """Forgets the episodes suspended under ``keep``: their environments close."""
+        if (runner := self._suspended.pop(keep, None)) is not None:
+            runner.close()
+
+    def _run_episodes(self, runner, epoch: int | None, keep: str | None, call) -> list[Trajectory | None]:
+        started = time.perf_counter()
         try:
             stop = None if epoch is None else (lambda: self._interrupted_through >= epoch)
             with self._routes_recorded() as captured:
-                episodes = runner.run(requests, stop)
+                episodes = call(stop)
         finally:
             self._generate_seconds += time.perf_counter() - started
+        if keep is not None and runner.suspended:
+            self._suspended[keep] = runner
         if self.routing_replay:  # an episode's last turn ran every token before its last one
             for t in [t for t in episodes if t is not None]:
                 t.routes = routes_of_samples(captured, t.prompt_ids, t.response_ids, t.response_mask)
         return episodes
+
+    def _turns(self, sampling: SamplingConfig):
+        from megarl.rollout.vllm_turns import VLLMTurns
+
+        return VLLMTurns(self.llm, self._tokenizer(), sampling)
 
     def _episode_setup(self, env: EnvConfig, rewards: list[RewardTermConfig]):
         """The episode factory and the chat renderer of one environment config, built once."""
@@ -406,6 +433,8 @@ class VLLMEngine:
             self.llm.wake_up(tags=tags)
 
     def shutdown(self) -> None:
+        for keep in list(self._suspended):  # their environments may hold outside resources
+            self.drop_episodes(keep)
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except AttributeError:

@@ -16,11 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
+from megarl.rollout.sampling import SEGMENT_SEED_STRIDE, RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils.abort import wait_all
 from megarl.utils.shares import contiguous_shares
-
-_SEGMENT_SEED_STRIDE = 7919
 
 
 @dataclass
@@ -36,7 +34,7 @@ class Slot:
     finish_reason: str | None = None  # "stop" | "length"; None while unfinished
 
     def request(self, max_tokens: int) -> SegmentRequest:
-        seed = None if self.seed is None else self.seed + _SEGMENT_SEED_STRIDE * self.segments
+        seed = None if self.seed is None else self.seed + SEGMENT_SEED_STRIDE * self.segments
         return SegmentRequest(self.prompt_ids + self.response_ids, max_tokens - len(self.response_ids), seed)
 
     def add(self, segment: RolloutSample, version: int) -> None:

@@ -62,9 +62,9 @@ class Rollout:
     # rollout.granularity=group: seconds from the batch's submission to the first and to the last
     # group's arrival (how much of generation a group's scoring could overlap); None: whole batches
     group_arrival_s: tuple[float, float] | None = None
-    # Episodes under the opportunistic schedule: how many were dropped by an interruption and
-    # generated again under newer weights (rollout.partial=regenerate); None otherwise
-    restarted_episodes: int | None = None
+    # Episodes under the opportunistic schedule: how many times an interruption cut one (each then
+    # started over, or was continued, under newer weights: rollout.partial); None otherwise
+    interrupted_episodes: int | None = None
 
 
 @dataclass
@@ -141,7 +141,7 @@ class RolloutManager:
 
     def continue_partial(self, batch: PartialRollout | PartialEpisodes, version: int, epoch: int) -> None:
         """Submits a batch's unfinished samples again, after a weight sync: from where they stopped
-        (``rollout.partial: continue``) or from scratch (``regenerate``; episodes always)."""
+        (``rollout.partial: continue``) or from scratch (``regenerate``)."""
         sampling = self._sampling(batch.index, version)
         if isinstance(batch, PartialEpisodes):
             partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
@@ -163,7 +163,7 @@ class RolloutManager:
             groups = [[t.sample() for t in batch.episodes[i:i + n]] for i in range(0, len(batch.episodes), n)]
             rollout = self.assemble(batch.index, min(batch.versions), batch.prompt_ids, groups, list(batch.episodes))
             rollout.token_versions = partial_episodes.token_versions(batch)
-            rollout.restarted_episodes = batch.restarts
+            rollout.interrupted_episodes = batch.interruptions
             return rollout
         groups, versions = partial_rollouts.samples(batch)
         oldest = min(v for vs in versions for v in vs)

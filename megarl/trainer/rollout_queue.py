@@ -128,6 +128,7 @@ class RolloutQueue:
                 if finished:
                     tensors |= _sample_tensors(index, [t.sample() for t in finished])
                     tensors |= _episode_tensors(index, finished)
+                    tensors[f"{index}.token_versions"] = _ints([v for t in finished for v in t.versions])
                 entries.append({"index": index, "partial_episodes": True, "prompt_ids": rollout.prompt_ids,
                                 "group_size": rollout.group_size, "done": done,
                                 "versions": [rollout.versions[i] for i in done],
@@ -179,8 +180,11 @@ class RolloutQueue:
                     if entry["done"]:
                         reasons = [t["finish_reason"] for t in entry["episodes"]]
                         finished = _read_episodes(f, index, _read_samples(f, index, reasons), entry["episodes"])
-                        for i, episode, version in zip(entry["done"], finished, entry["versions"], strict=True):
-                            batch.episodes[i], batch.versions[i] = episode, version
+                        versions = _split(f.get_tensor(f"{index}.token_versions"),
+                                          torch.tensor([len(t.response_ids) for t in finished]))
+                        for i, episode, version, tokens in zip(entry["done"], finished, entry["versions"], versions,
+                                                               strict=True):
+                            batch.episodes[i], batch.versions[i], episode.versions = episode, version, tokens
                     self.batches[index] = batch
                     continue
                 samples = _read_samples(f, index, entry["finish_reasons"])

@@ -73,8 +73,8 @@ def rollout_metrics(rollout: Rollout, step: int) -> dict:
                                             / max(1, len(rollout.token_versions)))
     if rollout.episodes is not None:
         out |= episode_metrics(rollout.episodes)
-    if rollout.restarted_episodes is not None:  # episodes under the opportunistic schedule
-        out["rollout/restarted_episodes"] = rollout.restarted_episodes
+    if rollout.interrupted_episodes is not None:  # episodes under the opportunistic schedule
+        out["rollout/interrupted_episodes"] = rollout.interrupted_episodes
     if rollout.group_arrival_s is not None:  # rollout.granularity=group
         out["time/rollout_first_group_s"], out["time/rollout_last_group_s"] = rollout.group_arrival_s
     return out

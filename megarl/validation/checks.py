@@ -339,8 +339,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
 
 def schedule_errors(cfg: RunConfig) -> list[str]:
     """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
-    something to overlap, and episodes that start over when interrupted;
-    groups go out and come back whole, from single-turn generation in one piece."""
+    something to overlap; groups go out and come back whole, from single-turn generation in one piece."""
     tr, errors = cfg.trainer, []
     if tr.schedule not in ("exact", "opportunistic"):
         errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
@@ -349,10 +348,6 @@ def schedule_errors(cfg: RunConfig) -> list[str]:
     if tr.schedule == "opportunistic" and tr.max_staleness < 1:
         errors.append("trainer.schedule=opportunistic needs trainer.max_staleness >= 1 (at 0 nothing generates "
                       "while the actor trains, so there is nothing to interrupt)")
-    if tr.schedule == "opportunistic" and cfg.env is not None and cfg.rollout.partial != "regenerate":
-        errors.append("trainer.schedule=opportunistic with multi-turn episodes (env) needs rollout.partial=regenerate: "
-                      "an interrupted episode starts over from its reset (its environment's state does not "
-                      "carry across a weight sync)")
     granularity = cfg.rollout.granularity
     if granularity not in ("batch", "group"):
         errors.append(f"rollout.granularity={granularity!r} must be batch or group")
