@@ -216,7 +216,7 @@ CASES = [
     Case("granularity-unknown", "late", "rollout.granularity='prompt' must be batch or group",
          args=("rollout.granularity=prompt",)),
     Case("granularity-group-opportunistic", "late",
-         "rollout.granularity=group streams single-turn groups; trainer.schedule=opportunistic generates",
+         "rollout.granularity=group streams whole groups; trainer.schedule=opportunistic generates",
          args=("rollout.granularity=group", "trainer.max_staleness=1", "trainer.schedule=opportunistic")),
     # multi-turn episodes (env): every problem named by its field before any engine starts
     Case("env-unknown-kind", "range", "env.kind='game' must be one of single_turn, tools, remote",

@@ -261,3 +261,38 @@ def test_a_remote_environment_drives_real_episodes(engine, tokenizer):
         assert t.reward in (0.0, 1.0) and sum(t.response_mask) == len(t.turns[0]) + len(t.turns[1])
     metrics = episode_metrics(episodes)
     assert metrics["env/finish_env_error"] == 0.25 and metrics["env/seconds"] > 0.0
+
+
+def test_groups_of_episodes_stream_the_episodes_of_a_whole_batch(engine, tokenizer):
+    """``rollout.granularity: group`` with multi-turn episodes: the rollout manager hands the
+    engine two groups at a time (``env.max_concurrent_episodes`` 4, n 2), each group's episodes
+    come back as they finish and the next group joins the running episodes. The batch it
+    assembles equals the whole-batch call's: the same episodes token for token (the seeds are
+    each episode's own), rewards and tensors, scored by the environment."""
+    from megarl.config.schema import DataConfig
+    from megarl.data.prompts import prompt_dataset
+    from megarl.trainer.rewards import RunReward
+    from megarl.trainer.rollout_manager import RolloutManager
+
+    cfg = RunConfig(data=DataConfig(source="reasoning_gym:products", size=16, prompts_per_step=4,
+                                    task_config={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3},
+                                    instruction="{question} Use the calculator tool."),
+                    env=EnvConfig(kind="tools", tools=[ToolConfig("calculator")], prelude=PRELUDE, max_turns=3,
+                                  tool_call_reward=0.2, max_concurrent_episodes=4),
+                    rewards=[RewardTermConfig(kind="reasoning_gym", extractor="last_number")])
+    cfg.rollout.n, cfg.rollout.max_tokens, cfg.rollout.max_model_len = 2, 48, 1024
+
+    def first_batch(granularity: str):
+        cfg.rollout.granularity = granularity
+        manager = RolloutManager(cfg, [engine], tokenizer, prompt_dataset(cfg.data), RunReward(cfg.rewards))
+        rollout = manager.collect(manager.submit(1, version=0))
+        return rollout, manager.score(rollout)
+
+    (whole, (whole_scores, _)), (grouped, (scores, parts)) = first_batch("batch"), first_batch("group")
+    assert [t.response_ids for t in grouped.episodes] == [t.response_ids for t in whole.episodes]
+    assert any(len(t.turns) > 1 for t in grouped.episodes), "no episode called the calculator"
+    assert [t.turn_rewards for t in grouped.episodes] == [t.turn_rewards for t in whole.episodes]
+    assert scores.tolist() == whole_scores.tolist() and parts["reward/env"].tolist() == scores.tolist()
+    assert grouped.batch.tokens.equal(whole.batch.tokens) and grouped.batch.mask.equal(whole.batch.mask)
+    first, last = grouped.group_arrival_s
+    assert 0 < first < last

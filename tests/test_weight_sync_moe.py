@@ -188,15 +188,24 @@ def test_vllm_routes_are_transformers_routes(moe, fp8_engine):
     """Before any sync the engine holds the HF weights: its recorded experts of every prompt and
     response token (all but the last, which never runs) are transformers' top-k, every layer.
     (At vLLM TP 2 rank 0 records, its router replicated: the replay test below finds the actor's
-    own routing equal to those records.)"""
+    own routing equal to those records.) The same holds for groups streamed one at a time
+    (``rollout.granularity: group``): each group's routes are taken as it finishes, while the
+    next group's requests, already running, keep theirs recorded until they finish."""
     import transformers
+
+    from megarl.rollout.group_streams import groups_as_they_finish, open_group_streams
 
     model, _ = moe
     groups = _generate(fp8_engine)
+    # two groups in the engine at a time: when one finishes, the other is halfway
+    streams = open_group_streams([fp8_engine], PROMPTS, SAMPLING, max_num_seqs=2 * SAMPLING.n)
+    streamed = dict(groups_as_they_finish(streams, timeout_s=300))
+    assert [[s.response_ids for s in streamed[i]] for i in range(len(PROMPTS))] == \
+        [[s.response_ids for s in g] for g in groups]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model).float().eval()
     k = hf.config.num_experts_per_tok
     compared = 0
-    for sample in [s for g in groups for s in g]:
+    for sample in [s for g in [*groups, *streamed.values()] for s in g]:
         seq = torch.tensor([sample.prompt_ids + sample.response_ids[:-1]])
         assert sample.routes.shape == (seq.shape[1] + 1, hf.config.num_hidden_layers, k)
         with torch.no_grad():
@@ -205,7 +214,7 @@ def test_vllm_routes_are_transformers_routes(moe, fp8_engine):
             expected = _sets(logits.float().topk(k, dim=-1).indices)
             assert torch.equal(_sets(sample.routes[:-1, layer]), expected), layer
             compared += len(expected)
-    assert compared > 100
+    assert compared > 200
 
 
 def _synced_actor(actor, model, engine) -> None:
@@ -286,7 +295,7 @@ def test_multi_turn_episodes_carry_every_tokens_routes(ray_session, smollm2, tmp
     """Two-turn episodes (test_remote_env's quiz service asks "Are you sure?" after the first answer)
     on a tiny Qwen3-MoE with SmolLM2's tokenizer: each episode's routes, recorded from its last
     turn's request (which runs the whole episode before its last token), are transformers' top-k on
-    every token but the last."""
+    every token but the last; streamed a group at a time too (``rollout.granularity: group``)."""
     import ray
     import transformers
     from conftest import SMOLLM2_VOCAB, with_smollm2_tokenizer
@@ -294,7 +303,8 @@ def test_multi_turn_episodes_carry_every_tokens_routes(ray_session, smollm2, tmp
 
     from megarl.config.schema import EnvConfig, RunConfig
     from megarl.envs.base import EpisodeItem
-    from megarl.rollout.remote import start_engine, submit_episodes, wait_ready
+    from megarl.rollout.group_streams import groups_as_they_finish, open_episode_group_streams
+    from megarl.rollout.remote import episode_requests, start_engine, submit_episodes, wait_ready
 
     model = build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("r3") / "qwen3_moe_chat", vocab_size=SMOLLM2_VOCAB,
                           max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -308,13 +318,19 @@ def test_multi_turn_episodes_carry_every_tokens_routes(ray_session, smollm2, tmp
         items = [EpisodeItem(f"What is {i} + 4?", {"answer": i + 4}) for i in range(3)]
         sampling = SamplingConfig(temperature=1.0, max_tokens=8, n=2, stop_token_ids=[2], seed=5)
         episodes = [t for part in ray.get(submit_episodes([engine], items, sampling, cfg), timeout=300) for t in part]
+        # the same episodes streamed a group at a time (rollout.granularity=group), two groups running at once
+        cfg.env.max_concurrent_episodes = 4
+        streams = open_episode_group_streams([engine], episode_requests(items, sampling, cfg), sampling, cfg)
+        streamed = dict(groups_as_they_finish(streams, timeout_s=300))
     finally:
         service.close()
         ray.kill(engine)
     assert [len(t.turns) for t in episodes] == [2] * 6, [t.finish_reason for t in episodes]
+    streamed = [t for i in range(len(items)) for t in streamed[i]]
+    assert [t.response_ids for t in streamed] == [t.response_ids for t in episodes]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model).float().eval()
     k = hf.config.num_experts_per_tok
-    for t in episodes:
+    for t in [*episodes, *streamed]:
         seq = torch.tensor([t.prompt_ids + t.response_ids])
         assert t.routes.shape == (seq.shape[1], hf.config.num_hidden_layers, k)
         assert t.sample().routes is t.routes

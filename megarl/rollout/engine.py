@@ -68,6 +68,11 @@ class RolloutEngine(Protocol):
         """A streaming call (``rollout.granularity: group``): every prompt ``add_groups`` sends,
         each prompt's ``sampling.n`` samples yielded as ``(index, samples)`` when they finish."""
 
+    def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: Any, rewards: list[Any],
+                             limits: Any) -> Any:
+        """``serve_groups`` for multi-turn episodes: ``add_groups`` sends (index, a group's
+        ``EpisodeRequest``s); each group's ``Trajectory``s yielded as ``(index, trajectories)``."""
+
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""
 

@@ -127,12 +127,18 @@ class _Episode:
             self.traj.info[key] = self.traj.info.get(key, 0.0) + float(value)
 
 
+def turn_request_id(episode: int, turn: int, segment: int = 0) -> str:
+    """The generation request of an episode's turn (of its ``segment``-th piece, when interruptions
+    cut it) as the runner names it to the backend."""
+    return f"{episode}.{turn}.{segment}"
+
+
 @dataclass
 class _Progress:
     """Every episode of one batch of requests, as far as it got (across ``run`` and ``resume``)."""
 
-    requests: list[EpisodeRequest]
-    waiting: deque  # request indices not started
+    requests: list[EpisodeRequest] = field(default_factory=list)
+    waiting: deque = field(default_factory=deque)  # request indices not started
     episodes: dict[int, _Episode] = field(default_factory=dict)  # started, unfinished
     generating: dict[str, _Episode] = field(default_factory=dict)  # request id -> its episode
     stepping: dict[cf.Future, tuple[_Episode, str, float]] = field(default_factory=dict)  # -> episode, what, deadline
@@ -172,7 +178,8 @@ class EpisodeRunner:
         once it says so, the unfinished episodes come back as None and are either dropped (their
         turns aborted, their environments closed) or, with ``suspend``, kept for ``resume``: each
         cut turn keeps the tokens it has, environments keep their state and calls in flight."""
-        self._p = _Progress(list(requests), deque(range(len(requests))), owed=list(range(len(requests))))
+        self._p = None
+        self.add(requests)
         return self._drive(stop, suspend)
 
     @property
@@ -204,48 +211,81 @@ class EpisodeRunner:
                 self.loop.submit(episode.env.close())
             self._p = None
 
-    def _drive(self, stop: Callable[[], bool] | None, suspend: bool) -> list[Trajectory | None]:
+    # -- driven from outside, a round at a time (``rollout.granularity: group``) ------------------
+
+    def add(self, requests: list[EpisodeRequest]) -> list[int]:
+        """More episodes to run (their indices), joining those in flight at the next round."""
+        if self._p is None:
+            self._p = _Progress()
+        p = self._p
+        indices = list(range(len(p.requests), len(p.requests) + len(requests)))
+        p.requests += requests
+        p.waiting.extend(indices)
+        p.owed += indices
+        return indices
+
+    @property
+    def busy(self) -> bool:
+        """Whether an episode is unfinished (running, or waiting for a slot)."""
+        return self._p is not None and bool(self._p.episodes or self._p.waiting)
+
+    def take(self, indices: list[int]) -> list[Trajectory] | None:
+        """These episodes, once every one of them has finished (then forgotten); else None."""
+        p = self._p
+        if not all(i in p.done for i in indices):
+            return None
+        taken = set(indices)
+        p.owed = [i for i in p.owed if i not in taken]
+        return [p.done.pop(i) for i in indices]
+
+    def advance(self) -> None:
+        """One round: a decoding step (or a short wait on the environments), then what the
+        environments answered, then new episodes into the free slots."""
         p = self._p
         self._start_more()
-        while p.episodes or p.waiting:
+        if self.backend.has_unfinished():
+            for turn in self.backend.step():
+                self._turn_done(p.generating.pop(turn.request_id), turn)
+        elif p.stepping:
+            cf.wait(list(p.stepping), timeout=0.5, return_when=cf.FIRST_COMPLETED)
+        elif p.held:
+            pass
+        elif not p.waiting:
+            raise RuntimeError(f"{len(p.episodes)} episodes are neither generating nor stepping")
+        for future in [f for f in p.stepping if f.done() or time.monotonic() > p.stepping[f][2]]:
+            episode, what, _ = p.stepping.pop(future)
+            if not future.done():
+                future.cancel()
+                episode.traj.error = f"environment {what} took longer than {self.limits.step_timeout_s} s"
+                self._finish(episode, "env_error")
+                continue
+            if (exc := future.exception()) is not None:
+                episode.traj.error = f"environment {what} failed: {type(exc).__name__}: {exc}"
+                self._finish(episode, "env_error")
+                continue
+            if what == "reset":
+                episode.traj.prompt_ids = self.renderer.opening([m.to_chat() for m in future.result()])
+                self._queue_turn(episode)
+            else:
+                self._observed(episode, future.result())
+        if p.held and (self.limits.overlap or (not p.generating and not p.stepping)):
+            for episode, ids in p.held:
+                self._append(episode, ids, 0, [0.0] * len(ids))
+                episode.traj.observations.append(ids)
+                self._queue_turn(episode)
+            p.held.clear()
+        self._start_more()
+
+    def _drive(self, stop: Callable[[], bool] | None, suspend: bool) -> list[Trajectory | None]:
+        p = self._p
+        while self.busy:
             if stop is not None and stop():
                 if suspend:
                     self._suspend()
                 else:
                     self._drop()
                 break
-            if self.backend.has_unfinished():
-                for turn in self.backend.step():
-                    self._turn_done(p.generating.pop(turn.request_id), turn)
-            elif p.stepping:
-                cf.wait(list(p.stepping), timeout=0.5, return_when=cf.FIRST_COMPLETED)
-            elif p.held:
-                pass
-            elif not p.waiting:
-                raise RuntimeError(f"{len(p.episodes)} episodes are neither generating nor stepping")
-            for future in [f for f in p.stepping if f.done() or time.monotonic() > p.stepping[f][2]]:
-                episode, what, _ = p.stepping.pop(future)
-                if not future.done():
-                    future.cancel()
-                    episode.traj.error = f"environment {what} took longer than {self.limits.step_timeout_s} s"
-                    self._finish(episode, "env_error")
-                    continue
-                if (exc := future.exception()) is not None:
-                    episode.traj.error = f"environment {what} failed: {type(exc).__name__}: {exc}"
-                    self._finish(episode, "env_error")
-                    continue
-                if what == "reset":
-                    episode.traj.prompt_ids = self.renderer.opening([m.to_chat() for m in future.result()])
-                    self._queue_turn(episode)
-                else:
-                    self._observed(episode, future.result())
-            if p.held and (self.limits.overlap or (not p.generating and not p.stepping)):
-                for episode, ids in p.held:
-                    self._append(episode, ids, 0, [0.0] * len(ids))
-                    episode.traj.observations.append(ids)
-                    self._queue_turn(episode)
-                p.held.clear()
-            self._start_more()
+            self.advance()
         answers = [p.done.pop(i, None) for i in p.owed]
         p.owed = [i for i, t in zip(p.owed, answers, strict=True) if t is None]
         if not suspend:
@@ -279,7 +319,7 @@ class EpisodeRunner:
         seed = None
         if episode.request.seed is not None:
             seed = episode.request.seed + len(traj.turns) + SEGMENT_SEED_STRIDE * episode.turn_segments
-        request_id = f"{episode.index}.{len(traj.turns)}.{episode.turn_segments}"
+        request_id = turn_request_id(episode.index, len(traj.turns), episode.turn_segments)
         self._p.generating[request_id] = episode
         self.backend.add(request_id, episode.context(), budget, seed)
 

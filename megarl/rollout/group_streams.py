@@ -6,7 +6,8 @@ first to have room, so an engine that draws short answers takes more of the batc
 on another's long tail. Every group comes back on its own as soon as its last sample finishes
 (``VLLMEngine.serve_groups``, a Ray streaming generator). The samples do not depend on which
 engine draws them: sample j of every prompt is seeded ``seed + j`` on any engine, as in a whole
-batch's ``generate``.
+batch's ``generate``. Multi-turn episodes stream the same way, a group's episodes together
+(``VLLMEngine.serve_episode_groups``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from megarl.config.schema import RunConfig
+from megarl.rollout.episodes import EpisodeRequest
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.utils.abort import RUN_ABORT
 
@@ -38,8 +42,31 @@ def open_group_streams(engines: list, prompts: list[list[int]], sampling: Sampli
                        max_num_seqs: int) -> GroupStreams:
     """Starts one ``serve_groups`` call per engine with the groups that fill its running batch;
     returns at once."""
-    per_engine = max(1, max_num_seqs // max(1, sampling.n))
-    waiting = deque(enumerate(prompts))
+    def serve(engine, stream: int):
+        return engine.serve_groups.options(num_returns="streaming").remote(stream, sampling)
+
+    return _open(engines, prompts, max(1, max_num_seqs // max(1, sampling.n)), serve)
+
+
+def open_episode_group_streams(engines: list, requests: list[EpisodeRequest], sampling: SamplingConfig,
+                               cfg: RunConfig) -> GroupStreams:
+    """The same for multi-turn episodes (``cfg.env``): ``requests`` a group's ``sampling.n`` side by
+    side; each engine first gets the groups its ``env.max_concurrent_episodes`` hold."""
+    from megarl.rollout.remote import episode_limits
+
+    n = max(1, sampling.n)
+    groups = [requests[i:i + n] for i in range(0, len(requests), n)]
+    one, limits = replace(sampling, n=1), episode_limits(cfg)
+
+    def serve(engine, stream: int):
+        return engine.serve_episode_groups.options(num_returns="streaming").remote(stream, one, cfg.env, cfg.rewards,
+                                                                                   limits)
+
+    return _open(engines, groups, max(1, cfg.env.max_concurrent_episodes // n), serve)
+
+
+def _open(engines: list, groups: list, per_engine: int, serve: Callable[[Any, int], Any]) -> GroupStreams:
+    waiting = deque(enumerate(groups))
     out = GroupStreams([], [], [], waiting)
     for engine in engines:
         if not waiting:
@@ -49,14 +76,14 @@ def open_group_streams(engines: list, prompts: list[list[int]], sampling: Sampli
         engine.add_groups.remote(stream, first)
         out.engines.append(engine)
         out.streams.append(stream)
-        out.calls.append(engine.serve_groups.options(num_returns="streaming").remote(stream, sampling))
+        out.calls.append(serve(engine, stream))
     _close_if_done(out)
     return out
 
 
 def groups_as_they_finish(batch: GroupStreams, timeout_s: float) -> Iterator[tuple[int, list[RolloutSample]]]:
-    """Every group of the batch as ``(index in the batch, samples)``, in the order they finish,
-    handing each waiting group to the engine that just returned one. Raises an engine's error,
+    """Every group of the batch as ``(index in the batch, samples)`` (of episodes: trajectories), in
+    the order they finish, handing each waiting group to the engine that just returned one. Raises an engine's error,
     ``Aborted`` when the run is aborted, ``TimeoutError`` after ``timeout_s``."""
     import ray
 

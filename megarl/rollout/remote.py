@@ -12,7 +12,8 @@ from megarl.envs.base import EpisodeItem, Message
 from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest
 from megarl.rollout.sampling import SamplingConfig
-from megarl.rollout.vllm_engine import INTAKE_GROUP, WATCH_GROUP, VLLMEngine
+from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
+from megarl.rollout.vllm_group_serving import INTAKE_GROUP
 from megarl.utils.shares import contiguous_shares
 
 

@@ -21,6 +21,7 @@ from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, FinishedTurn, Trajectory
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
+from megarl.rollout.vllm_group_serving import GroupServing
 from megarl.rollout.vllm_routes import routes_of_samples, unpack
 from megarl.utils import process_watch
 from megarl.utils.cores import usable_cores
@@ -29,8 +30,6 @@ WORKER_EXTENSION = "megarl.rollout.worker_extension.WeightSyncExtension"
 # The Ray concurrency group of the liveness methods: they answer while generate() or a weight
 # sync blocks the engine's main thread (see megarl.rollout.remote.start_engine).
 WATCH_GROUP = "watch"
-# The group of ``add_groups``: prompts handed to a running ``serve_groups`` call.
-INTAKE_GROUP = "intake"
 
 
 def _watch_method(fn):
@@ -42,15 +41,6 @@ def _watch_method(fn):
     return ray.method(concurrency_group=WATCH_GROUP)(fn)
 
 
-def _intake_method(fn):
-    """Runs ``fn`` in the engine actor's intake group (a plain method without Ray)."""
-    try:
-        import ray
-    except ModuleNotFoundError:
-        return fn
-    return ray.method(concurrency_group=INTAKE_GROUP)(fn)
-
-
 @dataclass(frozen=True)
 class EngineHealth:
     """What the engine's liveness check saw: its own pid and its vLLM processes that died."""
@@ -60,7 +50,7 @@ class EngineHealth:
     dead: list[process_watch.ProcessDeath]
 
 
-class VLLMEngine:
+class VLLMEngine(GroupServing):
     # the class vLLM mixes into its workers (a benchmark engine names its own subclass)
     worker_extension = WORKER_EXTENSION
 
@@ -170,71 +160,6 @@ class VLLMEngine:
         self._generate_seconds += time.perf_counter() - started
         return results
 
-    @_intake_method
-    def add_groups(self, stream: int, prompts: list[tuple[int, list[int]]]) -> None:
-        """More prompts, as (index in the batch, token ids), for ``serve_groups`` call ``stream``
-        (running, or about to start: the calls may arrive in either order); an empty list says no
-        more will come. Answers at once, while ``serve_groups`` blocks the engine's main thread."""
-        self._intake(stream).put(prompts)
-
-    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Iterator[tuple[int, list[RolloutSample]]]:
-        """``rollout.granularity: group``: generates every prompt that ``add_groups`` sends for
-        ``stream`` and returns each prompt's ``sampling.n`` samples as ``(index, samples)`` as soon as
-        the last of them finishes (called as a Ray streaming generator), until the prompts are closed
-        and all are done. Prompts that arrive meanwhile join vLLM's running batch at the next step,
-        so the caller can hand a prompt to whichever engine frees room first. Sample j of a prompt is
-        a request of its own, seeded ``sampling.seed + j`` as vLLM seeds the j-th of ``generate``'s n
-        samples: the samples are ``generate``'s, whichever engine draws them."""
-        import queue
-
-        from megarl.rollout.vllm_turns import VLLMTurns
-
-        self._check_version(sampling)
-        n, intake = sampling.n, self._intake(stream)
-        turns = VLLMTurns(self.llm, None, sampling)
-        where: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
-        open_groups: dict[int, list] = {}  # prompt index -> its samples so far
-        prompts: dict[int, list[int]] = {}
-        closed = False
-        started = time.perf_counter()
-        try:
-            while not closed or open_groups:
-                try:  # idle: wait for prompts (or the close); else take whatever has arrived
-                    arrived = intake.get(timeout=1.0) if not open_groups else intake.get_nowait()
-                except queue.Empty:
-                    arrived = None
-                if arrived is not None:
-                    closed |= not arrived
-                    for i, prompt in arrived:
-                        prompts[i], open_groups[i] = list(prompt), [None] * n
-                        for j in range(n):
-                            self._segment_ids += 1
-                            where[f"megarl-group-{self._segment_ids}"] = (i, j)
-                            turns.add(f"megarl-group-{self._segment_ids}", prompt, sampling.max_tokens,
-                                      None if sampling.seed is None else sampling.seed + j)
-                    continue  # everything that arrived goes in before the next step
-                if not open_groups:
-                    continue
-                for turn in turns.step():
-                    i, j = where.pop(turn.request_id)
-                    open_groups[i][j] = RolloutSample(prompts[i], turn.token_ids, turn.logprobs,
-                                                      "stop" if turn.stopped else "length")
-                    if all(open_groups[i]):
-                        self._generate_seconds += time.perf_counter() - started
-                        yield i, open_groups.pop(i)
-                        started = time.perf_counter()
-        finally:
-            turns.abort()  # nothing when every group came back; else the caller went away mid-stream
-            self._generate_seconds += time.perf_counter() - started
-            with self._intake_lock:
-                self._intakes.pop(stream, None)
-
-    def _intake(self, stream: int):
-        import queue
-
-        with self._intake_lock:
-            return self._intakes.setdefault(stream, queue.SimpleQueue())
-
     @contextlib.contextmanager
     def _routes_recorded(self) -> Iterator[dict]:
         """R3: yields a dict that holds, after the block, the routes of what ran through the model in
@@ -246,8 +171,9 @@ class VLLMEngine:
         if self.routing_replay:
             captured.update(self._taken_routes())
 
-    def _taken_routes(self) -> dict:
-        (taken,) = [t for t in self.llm.collective_rpc("megarl_take_routes") if t is not None]
+    def _taken_routes(self, requests: list[str] | None = None) -> dict:
+        """The routes recorded of ``requests`` (ids as added; None: of everything), then forgotten."""
+        (taken,) = [t for t in self.llm.collective_rpc("megarl_take_routes", args=(requests,)) if t is not None]
         return unpack(taken)
 
     @_watch_method

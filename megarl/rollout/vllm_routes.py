@@ -43,6 +43,7 @@ class RouteCapture:
         self.steps: list[_Step] = []
         self.first_layer: int | None = None
         self.topk = 0
+        self.pieces: dict[str, list[tuple]] = {}  # request id -> its recorded rows, not yet taken
 
     def bind(self, model: torch.nn.Module) -> int:
         """Hooks the capture into every MoE router of ``model``; returns how many."""
@@ -82,34 +83,43 @@ class RouteCapture:
             stacked = torch.stack([step.experts[layer] for layer in layers]).cpu().numpy()
             step.experts = dict(zip(layers, stacked, strict=True))
 
-    def take(self) -> dict:
-        """Every request seen since the last ``take``: its forwarded token ids and their routes
-        ``[tokens, layers, k]`` (int16; -1 where a layer is dense), flattened for the RPC reply."""
-        def rows():  # (request, its positions, the step, the step's rows) of every step
-            for step in self.steps:
-                for j, rid in enumerate(step.req_ids):
-                    lo, hi = int(step.starts[j]), int(step.starts[j + 1])
-                    if hi > lo:
-                        yield rid, step.positions[lo:hi], step, slice(lo, hi)
-
+    def _fold(self) -> None:
+        """The recorded steps, per request: (positions, token ids, routes [rows, layers, k]) pieces."""
         for step in self.steps:
             self._to_host(step)
-        length: dict[str, int] = {}  # each request's furthest position + 1: its arrays are sized once
-        for rid, pos, _, _ in rows():
-            length[rid] = max(length.get(rid, 0), int(pos.max()) + 1)
-        tokens = {rid: np.full(n, -1, dtype=np.int64) for rid, n in length.items()}
-        routes = {rid: np.full((n, self.num_layers, self.topk), -1, dtype=np.int16) for rid, n in length.items()}
-        for rid, pos, step, span in rows():
-            tokens[rid][pos] = step.token_ids[span]
-            for layer, experts in step.experts.items():
-                routes[rid][pos, layer] = experts[span]
+            for j, rid in enumerate(step.req_ids):
+                lo, hi = int(step.starts[j]), int(step.starts[j + 1])
+                if hi <= lo:
+                    continue
+                routes = np.full((hi - lo, self.num_layers, self.topk), -1, dtype=np.int16)
+                for layer, experts in step.experts.items():
+                    routes[:, layer] = experts[lo:hi]
+                self.pieces.setdefault(rid, []).append((step.positions[lo:hi], step.token_ids[lo:hi], routes))
         self.steps = []
+
+    def take(self, requests: list[str] | None = None) -> dict:
+        """The requests seen since they were last taken (``requests``: those of these ids, as given
+        to vLLM's ``add_request``; None: all), each with its forwarded token ids and their routes
+        ``[tokens, layers, k]`` (int16; -1 where a layer is dense), flattened for the RPC reply.
+        What is not taken is kept: a request still running is taken whole once it is done."""
+        self._fold()
+        if requests is None:
+            chosen = list(self.pieces)
+        else:  # vLLM makes each request id its own by appending "-" and 8 random characters
+            wanted = set(requests)
+            chosen = [rid for rid in self.pieces if rid.rsplit("-", 1)[0] in wanted or rid in wanted]
         lengths, flat_t, flat_r = [], [], []
-        for rid, ids in tokens.items():
-            filled = int(np.flatnonzero(ids >= 0).max()) + 1 if (ids >= 0).any() else 0
+        for rid in chosen:
+            pieces = self.pieces.pop(rid)
+            n = max(int(pos.max()) for pos, _, _ in pieces) + 1  # its furthest position + 1
+            tokens = np.full(n, -1, dtype=np.int64)
+            routes = np.full((n, self.num_layers, self.topk), -1, dtype=np.int16)
+            for pos, ids, experts in pieces:
+                tokens[pos], routes[pos] = ids, experts
+            filled = int(np.flatnonzero(tokens >= 0).max()) + 1 if (tokens >= 0).any() else 0
             lengths.append(filled)
-            flat_t.append(ids[:filled])
-            flat_r.append(routes[rid][:filled])
+            flat_t.append(tokens[:filled])
+            flat_r.append(routes[:filled])
         topk = self.topk
         return {"lengths": lengths, "layers": self.num_layers, "topk": topk,
                 "tokens": (np.concatenate(flat_t) if flat_t else np.zeros(0, np.int64)).tobytes(),

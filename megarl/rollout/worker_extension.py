@@ -115,10 +115,11 @@ class WeightSyncExtension:
         self._megarl_routes = RouteCapture(self.model_runner, layers)
         return self._megarl_routes.bind(self._megarl_model())
 
-    def megarl_take_routes(self) -> dict | None:
-        """What ``RouteCapture.take`` gives, and forgets it; None on ranks that do not record."""
+    def megarl_take_routes(self, requests: list[str] | None = None) -> dict | None:
+        """What ``RouteCapture.take`` gives (of ``requests``, or all), and forgets it; None on ranks
+        that do not record."""
         capture = getattr(self, "_megarl_routes", None)
-        return None if capture is None else capture.take()
+        return None if capture is None else capture.take(requests)
 
     # -- what this worker holds -------------------------------------------------------------
 

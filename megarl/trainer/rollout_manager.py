@@ -25,7 +25,12 @@ from megarl.data.prompts import PromptItem
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
 from megarl.rollout.episodes import EpisodeRequest, Trajectory
-from megarl.rollout.group_streams import GroupStreams, groups_as_they_finish, open_group_streams
+from megarl.rollout.group_streams import (
+    GroupStreams,
+    groups_as_they_finish,
+    open_episode_group_streams,
+    open_group_streams,
+)
 from megarl.rollout.remote import episode_item, episode_requests, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.trainer import partial_episodes, partial_rollouts
@@ -114,11 +119,15 @@ class RolloutManager:
         items = [self.dataset.items[i] for i in ids]
         sampling = self._sampling(index, version)
         pending = PendingRollout(index, version, ids, calls=[])
-        if self.cfg.env is not None:
-            pending.calls = submit_episodes(self.engines, [episode_item(item) for item in items], sampling, self.cfg)
-        elif self.cfg.rollout.granularity == "group":
+        by_group = self.cfg.rollout.granularity == "group"
+        if by_group and self.cfg.env is not None:
+            requests = self._episode_requests(ids, sampling)
+            pending.group_streams = open_episode_group_streams(self.engines, requests, sampling, self.cfg)
+        elif by_group:
             pending.group_streams = open_group_streams(self.engines, self._tokenize(items), sampling,
                                                        self.cfg.rollout.max_num_seqs)
+        elif self.cfg.env is not None:
+            pending.calls = submit_episodes(self.engines, [episode_item(item) for item in items], sampling, self.cfg)
         else:
             pending.calls = submit_generation(self.engines, self._tokenize(items), sampling)
         if self._ahead is not None:
@@ -196,21 +205,26 @@ class RolloutManager:
     def _collect_groups(self, pending: PendingRollout) -> Rollout:
         """``rollout.granularity: group``: each group decoded and scored by the reward terms as it
         arrives, while the engines generate the rest; the batch in prompt order once all are in."""
-        groups: list[list[RolloutSample] | None] = [None] * len(pending.prompt_ids)
-        inputs: list[list[RewardInput] | None] = [None] * len(pending.prompt_ids)
+        count = len(pending.prompt_ids)
+        groups: list[list[RolloutSample] | None] = [None] * count
+        trajectories: list[list[Trajectory] | None] = [None] * count  # multi-turn episodes: as they came
+        inputs: list[list[RewardInput] | None] = [None] * count
         terms: list[tuple[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]] = []
         arrivals = []
         for i, samples in groups_as_they_finish(pending.group_streams, self.cfg.trainer.step_timeout_s):
             arrivals.append(time.monotonic() - pending.submitted_at)
+            if self.cfg.env is not None:  # the environments scored them
+                trajectories[i], samples = samples, [t.sample() for t in samples]
             groups[i] = samples
             inputs[i] = self._reward_inputs(pending.prompt_ids[i:i + 1], [samples])
-            if self._scores_ahead:
+            if self._scores_ahead and self.cfg.env is None:
                 terms.append((i, self.reward.score(inputs[i])))
-        rollout = self.assemble(pending.index, pending.version, pending.prompt_ids, groups,
+        episodes = None if self.cfg.env is None else [t for group in trajectories for t in group]
+        rollout = self.assemble(pending.index, pending.version, pending.prompt_ids, groups, episodes,
                                 reward_inputs=[x for group in inputs for x in group])
         rollout.group_arrival_s = (arrivals[0], arrivals[-1])
-        if self._scores_ahead:  # the groups' term scores, in prompt order, then the penalties
-            rollout.scored = score_rollout(self.cfg, self.reward, rollout, terms=_in_order(terms))
+        if self._scores_ahead:  # the groups' scores, in prompt order, then the penalties
+            rollout.scored = score_rollout(self.cfg, self.reward, rollout, terms=_in_order(terms) if terms else None)
         return rollout
 
     def _collect(self, pending: PendingRollout) -> Rollout:

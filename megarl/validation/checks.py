@@ -339,7 +339,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
 
 def schedule_errors(cfg: RunConfig) -> list[str]:
     """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
-    something to overlap; groups go out and come back whole, from single-turn generation in one piece."""
+    something to overlap; groups go out and come back whole, each generated in one piece."""
     tr, errors = cfg.trainer, []
     if tr.schedule not in ("exact", "opportunistic"):
         errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
@@ -352,11 +352,9 @@ def schedule_errors(cfg: RunConfig) -> list[str]:
     if granularity not in ("batch", "group"):
         errors.append(f"rollout.granularity={granularity!r} must be batch or group")
     elif granularity == "group":
-        conflicts = {"multi-turn episodes (env) come back by the engine's share": cfg.env is not None,
-                     "trainer.schedule=opportunistic generates interruptible segments": tr.schedule == "opportunistic",
-                     "actor.moe.routing_replay records routes per generate call": cfg.actor.moe.routing_replay}
-        errors += [f"rollout.granularity=group streams single-turn groups; {why}: use rollout.granularity=batch"
-                   for why, conflict in conflicts.items() if conflict]
+        if tr.schedule == "opportunistic":
+            errors.append("rollout.granularity=group streams whole groups; trainer.schedule=opportunistic generates "
+                          "interruptible segments: use rollout.granularity=batch")
     return errors
 
 

@@ -1,0 +1,162 @@
+"""``rollout.granularity: group`` on the engine: groups handed in while a call streams groups out.
+
+``add_groups`` answers from the engine actor's intake thread (a Ray concurrency group of its own)
+while ``serve_groups`` or ``serve_episode_groups`` holds the main thread, driving vLLM's step
+loop: prompts that arrive join the running batch at the next step, and each group goes back
+(a Ray streaming generator) as soon as its last sample or episode finishes
+(``megarl.rollout.group_streams`` is the caller's side). A mixin of ``VLLMEngine``, whose state
+and helpers it uses.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+
+from megarl.config.schema import EnvConfig, RewardTermConfig
+from megarl.rollout.episodes import EpisodeLimits, Trajectory
+from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.rollout.vllm_routes import routes_of_samples
+
+# The Ray concurrency group of ``add_groups``: prompts handed to a running streaming call.
+INTAKE_GROUP = "intake"
+
+
+def _intake_method(fn):
+    """Runs ``fn`` in the engine actor's intake group (a plain method without Ray)."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        return fn
+    return ray.method(concurrency_group=INTAKE_GROUP)(fn)
+
+
+class GroupServing:
+    """The streaming calls of ``VLLMEngine`` (its ``_intakes`` and ``_intake_lock`` are set there)."""
+
+    @_intake_method
+    def add_groups(self, stream: int, prompts: list[tuple[int, list]]) -> None:
+        """More groups, as (index in the batch, the prompt's token ids or the group's
+        ``EpisodeRequest``s), for streaming call ``stream`` (running, or about to start: the calls
+        may arrive in either order); an empty list says no more will come. Answers at once, while
+        the streaming call holds the engine's main thread."""
+        self._intake(stream).put(prompts)
+
+    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Iterator[tuple[int, list[RolloutSample]]]:
+        """``rollout.granularity: group``: generates every prompt that ``add_groups`` sends for
+        ``stream`` and returns each prompt's ``sampling.n`` samples as ``(index, samples)`` as soon as
+        the last of them finishes (called as a Ray streaming generator), until the prompts are closed
+        and all are done. Prompts that arrive meanwhile join vLLM's running batch at the next step,
+        so the caller can hand a prompt to whichever engine frees room first. Sample j of a prompt is
+        a request of its own, seeded ``sampling.seed + j`` as vLLM seeds the j-th of ``generate``'s n
+        samples: the samples are ``generate``'s, whichever engine draws them."""
+        from megarl.rollout.vllm_turns import VLLMTurns
+
+        self._check_version(sampling)
+        n, intake = sampling.n, self._intake(stream)
+        turns = VLLMTurns(self.llm, None, sampling)
+        if self.routing_replay:
+            self._taken_routes()  # forget what other calls ran through the model
+        where: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
+        request_ids: dict[int, list[str]] = {}  # prompt -> its samples' request ids
+        open_groups: dict[int, list] = {}  # prompt index -> its samples so far
+        prompts: dict[int, list[int]] = {}
+        closed = False
+        started = time.perf_counter()
+        try:
+            while not closed or open_groups:
+                try:  # idle: wait for prompts (or the close); else take whatever has arrived
+                    arrived = intake.get(timeout=1.0) if not open_groups else intake.get_nowait()
+                except queue.Empty:
+                    arrived = None
+                if arrived is not None:
+                    closed |= not arrived
+                    for i, prompt in arrived:
+                        prompts[i], open_groups[i], request_ids[i] = list(prompt), [None] * n, []
+                        for j in range(n):
+                            self._segment_ids += 1
+                            request_id = f"megarl-group-{self._segment_ids}"
+                            where[request_id] = (i, j)
+                            request_ids[i].append(request_id)
+                            turns.add(request_id, prompt, sampling.max_tokens,
+                                      None if sampling.seed is None else sampling.seed + j)
+                    continue  # everything that arrived goes in before the next step
+                if not open_groups:
+                    continue
+                for turn in turns.step():
+                    i, j = where.pop(turn.request_id)
+                    open_groups[i][j] = RolloutSample(prompts[i], turn.token_ids, turn.logprobs,
+                                                      "stop" if turn.stopped else "length")
+                    if all(open_groups[i]):
+                        group = open_groups.pop(i)
+                        if self.routing_replay:  # the group's requests are done: their routes are whole
+                            captured = self._taken_routes(request_ids.pop(i))
+                            for sample in group:
+                                sample.routes = routes_of_samples(captured, sample.prompt_ids, sample.response_ids)
+                        self._generate_seconds += time.perf_counter() - started
+                        yield i, group
+                        started = time.perf_counter()
+        finally:
+            turns.abort()  # nothing when every group came back; else the caller went away mid-stream
+            self._generate_seconds += time.perf_counter() - started
+            with self._intake_lock:
+                self._intakes.pop(stream, None)
+
+    def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: EnvConfig,
+                             rewards: list[RewardTermConfig], limits: EpisodeLimits
+                             ) -> Iterator[tuple[int, list[Trajectory]]]:
+        """``rollout.granularity: group`` with multi-turn episodes: ``serve_groups`` for episodes.
+        ``add_groups`` sends (index, the group's ``EpisodeRequest``s); each group's episodes come
+        back as ``(index, trajectories)`` once its last one finishes, while the episodes of groups
+        sent later join the running ones at the next round (``EpisodeRunner.advance``)."""
+        from megarl.rollout.episodes import EpisodeRunner, turn_request_id
+
+        self._check_version(sampling)
+        intake = self._intake(stream)
+        make_env, renderer = self._episode_setup(env, rewards)
+        runner = EpisodeRunner(self._turns(sampling), renderer, make_env, limits, self._env_loop(),
+                               version=self.weight_version)
+        if self.routing_replay:
+            self._taken_routes()  # forget what other calls ran through the model
+        open_groups: dict[int, list[int]] = {}  # group index -> its episodes' indices in the runner
+        closed = False
+        started = time.perf_counter()
+        try:
+            while not closed or open_groups:
+                try:  # idle: wait for groups (or the close); else take whatever has arrived
+                    arrived = intake.get(timeout=1.0) if not runner.busy else intake.get_nowait()
+                except queue.Empty:
+                    arrived = None
+                if arrived is not None:
+                    closed |= not arrived
+                    for i, requests in arrived:
+                        open_groups[i] = runner.add(requests)
+                    continue
+                if not runner.busy:
+                    continue
+                runner.advance()
+                for i in list(open_groups):
+                    if (episodes := runner.take(open_groups[i])) is None:
+                        continue
+                    indices = open_groups.pop(i)
+                    if self.routing_replay:  # an episode's last turn ran every token before its last one
+                        turns = [turn_request_id(e, turn) for e, t in zip(indices, episodes, strict=True)
+                                 for turn in range(len(t.turns))]
+                        captured = self._taken_routes(turns)
+                        for t in episodes:
+                            t.routes = routes_of_samples(captured, t.prompt_ids, t.response_ids, t.response_mask)
+                    self._generate_seconds += time.perf_counter() - started
+                    yield i, episodes
+                    started = time.perf_counter()
+        finally:
+            runner.backend.abort()  # nothing when every group came back; else the caller went away mid-stream
+            runner.close()
+            self._generate_seconds += time.perf_counter() - started
+            with self._intake_lock:
+                self._intakes.pop(stream, None)
+
+    def _intake(self, stream: int):
+        with self._intake_lock:
+            return self._intakes.setdefault(stream, queue.SimpleQueue())
+
