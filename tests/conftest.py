@@ -191,6 +191,46 @@ def ray_session():
     ensure_ray()
 
 
+# One SmolLM2 engine (vLLM TP 1) for consecutive modules that only generate with it
+# (test_episodes, test_evaluation): started by the first, stopped when a module that does not
+# use it starts, so its memory is free for the modules that start engines of their own.
+_SHARED_ENGINE: dict = {}
+
+
+def _stop_shared_engine() -> None:
+    if (handle := _SHARED_ENGINE.pop("handle", None)) is not None:
+        import ray
+
+        ray.get(handle.shutdown.remote(), timeout=120)
+        ray.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2, ray_session):
+    """The shared engine (max_model_len 1024, max_num_seqs 64; weight version 0: a test that
+    changes it puts it back)."""
+    from megarl.rollout.remote import start_engine, wait_ready
+
+    if "handle" not in _SHARED_ENGINE:
+        handle = start_engine(str(smollm2), tp=1, max_model_len=1024, max_num_seqs=64)
+        wait_ready([handle], timeout_s=300)
+        _SHARED_ENGINE["handle"] = handle
+    return _SHARED_ENGINE["handle"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_engine_only_while_used(request):
+    items = [item for item in request.session.items if item.module is request.module]
+    if _SHARED_ENGINE and not any("smollm2_engine" in item.fixturenames for item in items):
+        _stop_shared_engine()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SHARED_ENGINE:
+        _stop_shared_engine()
+
+
 class RankGroups:
     """Ray worker groups (a role's ranks) shared by a module's tests, restarted if a failing test
     tore one down; the ranks can import the tests' own modules (rank_jobs)."""

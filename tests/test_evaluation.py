@@ -120,17 +120,8 @@ def test_a_reward_model_term_is_left_out_and_bad_data_stops_the_start(tokenizer)
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2):
-    import ray
-
-    from megarl.cluster.ray_env import ensure_ray
-    from megarl.rollout.remote import start_engine, wait_ready
-
-    ensure_ray()
-    handle = start_engine(str(smollm2), tp=1, max_model_len=256, max_num_seqs=64)
-    wait_ready([handle])
-    yield handle
-    ray.kill(handle)
+def engine(smollm2_engine):
+    return smollm2_engine  # shared with test_episodes (conftest)
 
 
 def _oracle_accuracy(engine, tokenizer, size: int, seed: int) -> float:

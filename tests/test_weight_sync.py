@@ -39,9 +39,10 @@ def rollout_models(rollout_model, tmp_path_factory):
 def engines(ray_session, rollout_models, smollm2):
     from megarl.rollout.remote import start_engine, wait_ready
 
+    # llama at vLLM TP 1 and 2; qwen3 (whose family-specific part is its QK-norms) at TP 2
     started = {
         f"{prefix}-tp{tp}": start_engine(str(model), tp=tp, max_model_len=256, max_num_seqs=8)
-        for model, prefix in rollout_models.values() for tp in (1, 2)
+        for model, prefix in rollout_models.values() for tp in ((1, 2) if prefix == "tiny" else (2,))
     }
     started["smollm2-tp1"] = start_engine(str(smollm2), tp=1, max_model_len=512, max_num_seqs=8)
     wait_ready(list(started.values()))
@@ -71,7 +72,7 @@ def _sync_and_verify(actor, engine, tokens, checksums=True):
 # tp1 pp1 -> TP 1 (the identity, every other case's pieces), and qwen3 at tp 2 (its QK-norms replicated).
 @pytest.mark.parametrize("family,tp,pp,rollout_tp", [
     ("llama", 1, 1, 2), ("llama", 2, 1, 1), ("llama", 2, 1, 2), ("llama", 1, 2, 1), ("llama", 1, 2, 2),
-    ("llama", 2, 2, 1), ("llama", 2, 2, 2), ("qwen3", 2, 1, 2), ("qwen3", 2, 2, 1)])
+    ("llama", 2, 2, 1), ("llama", 2, 2, 2), ("qwen3", 2, 1, 2), ("qwen3", 2, 2, 2)])
 def test_sync_after_a_training_step(family, tp, pp, rollout_tp, actor4, engines, rollout_models):
     # (Qwen3's QK-norms are trained too: at tp=2 the actor's replicas must agree for vLLM's one copy to fit.)
     model, prefix = rollout_models[family]

@@ -34,12 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_signals_received: list[int] = []
+
+
 def _exit_on_sigterm() -> None:
     # SIGTERM (Slurm's scancel, kill) unwinds like Ctrl-C: rank processes are stopped and
     # temporary outputs removed by the `finally`/`except` blocks on the way out.
     def handler(signum, frame):
         # Once: a second SIGTERM (a launcher repeating it) must not cut the cleanup short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _signals_received.append(signum)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
@@ -53,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("megarl: interrupted", file=sys.stderr)
         return 130
+    except SystemExit:
+        # A signal that arrives while Ray waits (ray.wait / ray.get) comes out as Ray's own
+        # SystemExit(1): the launcher still gets 128 + the signal, as from anywhere else.
+        if _signals_received:
+            raise SystemExit(128 + _signals_received[0]) from None
+        raise
 
 
 if __name__ == "__main__":
