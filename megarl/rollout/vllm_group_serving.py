@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.rollout.episodes import EpisodeLimits, Trajectory
@@ -54,54 +55,33 @@ class GroupServing:
         from megarl.rollout.vllm_turns import VLLMTurns
 
         self._check_version(sampling)
-        n, intake = sampling.n, self._intake(stream)
+        n = sampling.n
         turns = VLLMTurns(self.llm, None, sampling)
-        if self.routing_replay:
-            self._taken_routes()  # forget what other calls ran through the model
         where: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
         request_ids: dict[int, list[str]] = {}  # prompt -> its samples' request ids
         open_groups: dict[int, list] = {}  # prompt index -> its samples so far
         prompts: dict[int, list[int]] = {}
-        closed = False
-        started = time.perf_counter()
-        try:
-            while not closed or open_groups:
-                try:  # idle: wait for prompts (or the close); else take whatever has arrived
-                    arrived = intake.get(timeout=1.0) if not open_groups else intake.get_nowait()
-                except queue.Empty:
-                    arrived = None
-                if arrived is not None:
-                    closed |= not arrived
-                    for i, prompt in arrived:
-                        prompts[i], open_groups[i], request_ids[i] = list(prompt), [None] * n, []
-                        for j in range(n):
-                            self._segment_ids += 1
-                            request_id = f"megarl-group-{self._segment_ids}"
-                            where[request_id] = (i, j)
-                            request_ids[i].append(request_id)
-                            turns.add(request_id, prompt, sampling.max_tokens,
-                                      None if sampling.seed is None else sampling.seed + j)
-                    continue  # everything that arrived goes in before the next step
-                if not open_groups:
-                    continue
-                for turn in turns.step():
-                    i, j = where.pop(turn.request_id)
-                    open_groups[i][j] = RolloutSample(prompts[i], turn.token_ids, turn.logprobs,
-                                                      "stop" if turn.stopped else "length")
-                    if all(open_groups[i]):
-                        group = open_groups.pop(i)
-                        if self.routing_replay:  # the group's requests are done: their routes are whole
-                            captured = self._taken_routes(request_ids.pop(i))
-                            for sample in group:
-                                sample.routes = routes_of_samples(captured, sample.prompt_ids, sample.response_ids)
-                        self._generate_seconds += time.perf_counter() - started
-                        yield i, group
-                        started = time.perf_counter()
-        finally:
-            turns.abort()  # nothing when every group came back; else the caller went away mid-stream
-            self._generate_seconds += time.perf_counter() - started
-            with self._intake_lock:
-                self._intakes.pop(stream, None)
+
+        def admit(i: int, prompt: list[int]) -> None:
+            prompts[i], open_groups[i], request_ids[i] = list(prompt), [None] * n, []
+            for j in range(n):
+                self._segment_ids += 1
+                request_id = f"megarl-group-{self._segment_ids}"
+                where[request_id] = (i, j)
+                request_ids[i].append(request_id)
+                turns.add(request_id, prompt, sampling.max_tokens, None if sampling.seed is None else sampling.seed + j)
+
+        def finished() -> Iterator[tuple[int, list[RolloutSample]]]:
+            for turn in turns.step():
+                i, j = where.pop(turn.request_id)
+                open_groups[i][j] = RolloutSample(prompts[i], turn.token_ids, turn.logprobs,
+                                                  "stop" if turn.stopped else "length")
+                if all(open_groups[i]):
+                    group = open_groups.pop(i)
+                    self._attach_routes(request_ids.pop(i), group)
+                    yield i, group
+
+        yield from self._serve(stream, admit, finished, lambda: bool(open_groups), turns.abort)
 
     def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: EnvConfig,
                              rewards: list[RewardTermConfig], limits: EpisodeLimits
@@ -113,48 +93,72 @@ class GroupServing:
         from megarl.rollout.episodes import EpisodeRunner, turn_request_id
 
         self._check_version(sampling)
-        intake = self._intake(stream)
         make_env, renderer = self._episode_setup(env, rewards)
         runner = EpisodeRunner(self._turns(sampling), renderer, make_env, limits, self._env_loop(),
                                version=self.weight_version)
+        open_groups: dict[int, list[int]] = {}  # group index -> its episodes' indices in the runner
+
+        def admit(i: int, requests: list) -> None:
+            open_groups[i] = runner.add(requests)
+
+        def finished() -> Iterator[tuple[int, list[Trajectory]]]:
+            runner.advance()
+            for i in list(open_groups):
+                if (episodes := runner.take(open_groups[i])) is None:
+                    continue
+                indices = open_groups.pop(i)
+                # an episode's last turn ran every token before its last one
+                self._attach_routes([turn_request_id(e, turn) for e, t in zip(indices, episodes, strict=True)
+                                     for turn in range(len(t.turns))], episodes)
+                yield i, episodes
+
+        def stop() -> None:
+            runner.backend.abort()
+            runner.close()
+
+        yield from self._serve(stream, admit, finished, lambda: bool(open_groups), stop)
+
+    def _serve(self, stream: int, admit: Callable[[int, Any], None], finished: Callable[[], Iterator[tuple]],
+               running: Callable[[], bool], stop: Callable[[], None]) -> Iterator[tuple]:
+        """The loop of both streaming calls: every group that arrives for ``stream`` is ``admit``ted
+        before the next step; while one is ``running``, each step's ``finished`` groups are yielded;
+        once the groups are closed and none runs, the call ends. ``stop`` on the way out aborts
+        what still runs (nothing, unless the caller went away mid-stream)."""
+        intake = self._intake(stream)
         if self.routing_replay:
             self._taken_routes()  # forget what other calls ran through the model
-        open_groups: dict[int, list[int]] = {}  # group index -> its episodes' indices in the runner
         closed = False
         started = time.perf_counter()
         try:
-            while not closed or open_groups:
+            while not closed or running():
                 try:  # idle: wait for groups (or the close); else take whatever has arrived
-                    arrived = intake.get(timeout=1.0) if not runner.busy else intake.get_nowait()
+                    arrived = intake.get(timeout=1.0) if not running() else intake.get_nowait()
                 except queue.Empty:
                     arrived = None
                 if arrived is not None:
                     closed |= not arrived
-                    for i, requests in arrived:
-                        open_groups[i] = runner.add(requests)
+                    for i, payload in arrived:
+                        admit(i, payload)
+                    continue  # everything that arrived goes in before the next step
+                if not running():
                     continue
-                if not runner.busy:
-                    continue
-                runner.advance()
-                for i in list(open_groups):
-                    if (episodes := runner.take(open_groups[i])) is None:
-                        continue
-                    indices = open_groups.pop(i)
-                    if self.routing_replay:  # an episode's last turn ran every token before its last one
-                        turns = [turn_request_id(e, turn) for e, t in zip(indices, episodes, strict=True)
-                                 for turn in range(len(t.turns))]
-                        captured = self._taken_routes(turns)
-                        for t in episodes:
-                            t.routes = routes_of_samples(captured, t.prompt_ids, t.response_ids, t.response_mask)
+                for i, group in finished():
                     self._generate_seconds += time.perf_counter() - started
-                    yield i, episodes
+                    yield i, group
                     started = time.perf_counter()
         finally:
-            runner.backend.abort()  # nothing when every group came back; else the caller went away mid-stream
-            runner.close()
+            stop()
             self._generate_seconds += time.perf_counter() - started
             with self._intake_lock:
                 self._intakes.pop(stream, None)
+
+    def _attach_routes(self, requests: list[str], samples: list) -> None:
+        """R3: the routes of a finished group's requests, taken from the capture, onto its samples
+        (or episodes); nothing without routing replay."""
+        if self.routing_replay:
+            captured = self._taken_routes(requests)
+            for s in samples:
+                s.routes = routes_of_samples(captured, s.prompt_ids, s.response_ids, s.response_mask)
 
     def _intake(self, stream: int):
         with self._intake_lock:
