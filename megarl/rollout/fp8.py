@@ -1,12 +1,14 @@
-"""FP8 rollout weights (``rollout.weights: fp8``): each linear weight a vLLM rank holds, rounded to
-FP8 E4M3 the way online FP8 quantization does it, then stored back in the rollout dtype.
+"""Emulated FP8 rollout weights (``rollout.weights: fp8_emulated``): each linear weight a vLLM rank
+holds, rounded to FP8 E4M3 the way online FP8 quantization does it, then stored back in the
+rollout dtype.
 
 The scale is amax / 448 (E4M3's largest finite value), over the whole tensor as this rank holds it
-(vLLM's per-tensor dynamic FP8 quantizes each rank's shard after loading, and a fused
-``qkv_proj`` / ``gate_up_proj`` shares one scale), or over each ``block`` x ``block`` tile (the
-DeepSeek-V3 style block scales). Values keep their dequantized form (``q * scale``): on CPU,
-where vLLM has no FP8 GEMM, this is the whole effect of FP8 weights on the rollout's numerics,
-which the off-policy corrections (``algorithm.off_policy``) then see as train/rollout mismatch.
+(a fused ``qkv_proj`` / ``gate_up_proj`` shares one scale; vLLM's own online FP8 also reduces the
+amax of a TP-sharded layer over its TP ranks, which this does not), or over each ``block`` x
+``block`` tile (the DeepSeek-V3 style block scales). Values keep their dequantized form
+(``q * scale``): the weights' share of FP8's numerics in any dtype, on any CPU, for MoE experts'
+neighbours too; the activations stay unquantized. ``rollout.weights: fp8`` runs vLLM's real FP8
+instead (``megarl.rollout.worker_extension``).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class VLLMEngine(GroupServing):
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", max_model_len: int = 1024,
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto", cpu_threads: int | None = None,
-                 fp8_weights: bool = False, fp8_block: int | None = None, expert_parallel: bool = False,
+                 weights: str = "model", fp8_block: int | None = None, expert_parallel: bool = False,
                  routing_replay: bool = False):
         platform = current_platform()
         platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores())
@@ -66,8 +66,11 @@ class VLLMEngine(GroupServing):
 
         self.tp = tp
         self.platform = platform
-        # rollout.weights=fp8: each weight sync rounds the linear weights to FP8 as they land
-        self.fp8_weights, self.fp8_block = fp8_weights, fp8_block
+        # rollout.weights: fp8 runs vLLM's own online FP8 (it quantizes each linear weight as it
+        # loads, at start and at every weight sync, and multiplies in FP8); fp8_emulated keeps the
+        # rollout dtype and rounds the linear weights to FP8 values as they land (megarl.rollout.fp8)
+        self.fp8_emulated, self.fp8_block = weights == "fp8_emulated", fp8_block
+        quantization = ("fp8_per_block" if fp8_block else "fp8_per_tensor") if weights == "fp8" else None
         self.llm = LLM(
             model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
@@ -81,7 +84,7 @@ class VLLMEngine(GroupServing):
             logprobs_mode="processed_logprobs",
             # "dummy": start from random weights that the first weight sync overwrites (a
             # megarl checkpoint has no HF weights for vLLM to read).
-            load_format=load_format,
+            load_format=load_format, quantization=quantization,
             **platform.vllm_memory_args(gpu_memory_utilization),
         )
         # vLLM's engine core and its workers, now that they are up: a death of any of them would
@@ -334,7 +337,7 @@ class VLLMEngine(GroupServing):
 
     def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
         stats = [json.loads(s) for s in self.llm.collective_rpc("megarl_receive",
-                                                                 args=(plan_id, with_checksums, self.fp8_weights,
+                                                                 args=(plan_id, with_checksums, self.fp8_emulated,
                                                                        self.fp8_block))]
         # Prefix-cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()

