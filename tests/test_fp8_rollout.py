@@ -111,27 +111,48 @@ def test_emulated_sync_rounds_the_linear_weights_as_vllm_fp8_would(fp8_model):
     assert (got - exact).abs().max() > 1e-2  # the rounding is there, and large enough to tell apart
 
 
-def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model):
+def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path):
     """``rollout.weights: fp8`` at vLLM TP 2: vLLM's own online FP8 (a bfloat16 engine) quantizes
     each weight the sync hands it, one scale per fused tensor reduced over the TP ranks, and
-    multiplies in FP8. Oracle: the same vLLM loading the HF checkpoint itself with its FP8
-    quantization; its log-probs and the synced engine's are the same numbers. The FP8 GEMMs are
-    there: both differ from the unquantized model by far more than bfloat16 does (measured: 0.07 to
-    0.13 mean |difference|, bfloat16 alone 0.013)."""
+    multiplies in FP8. Oracle: the same engine as it loaded the HF checkpoint itself with its FP8
+    quantization. A sync of other weights moves its log-probs; a sync of the checkpoint's weights
+    then gives back exactly the numbers of the load. The FP8 GEMMs are there: they differ from the
+    unquantized model by far more than bfloat16 does (measured: 0.07 to 0.13 mean |difference|,
+    bfloat16 alone 0.013)."""
     import ray
-
-    from megarl.rollout.remote import start_engine, wait_ready
-
-    tokens = random_tokens(batch=2, seq=24, vocab=256)
-    loaded = start_engine(str(fp8_model), tp=2, max_model_len=256, max_num_seqs=8, weights="fp8", dtype="bfloat16")
-    try:
-        wait_ready([loaded])
-        want = torch.tensor(ray.get(loaded.prompt_logprobs.remote(tokens.tolist())))
-    finally:
-        ray.kill(loaded)
-    got = _synced_logprobs(fp8_model, tokens, tp=2, weights="fp8", dtype="bfloat16")
-    assert torch.equal(got, want), (got - want).abs().max()
     import transformers
 
+    from megarl.cluster.ray_env import ensure_ray
+    from megarl.rollout.remote import start_engine, wait_ready
+    from megarl.workers import WorkerGroup
+    from megarl.workers.weight_sync import WeightSync
+
+    ensure_ray()
+    other = build_tiny_hf("llama", tmp_path / "other", seed=1, hidden_size=128, intermediate_size=256, vocab_size=256,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    # one prompt: one forward. vLLM's dynamic activation scale is per tensor on CPU (per token on
+    # Hopper), over every token of a forward: prompts batched differently score differently
+    tokens = random_tokens(batch=1, seq=24, vocab=256)
+    engine = start_engine(str(fp8_model), tp=2, max_model_len=256, max_num_seqs=8, weights="fp8", dtype="bfloat16")
+    try:
+        wait_ready([engine])
+        loaded = torch.tensor(ray.get(engine.prompt_logprobs.remote(tokens.tolist())))
+        after = []
+        with WorkerGroup("actor-fp8", 1) as actor:
+            sync = WeightSync(actor, "actor", [engine], bucket_bytes=1 << 16)
+            try:
+                for source in (other, fp8_model):
+                    actor.run(megatron_model.load, key="actor", source=str(source), parallel=ParallelConfig())
+                    if sync.plan is None:
+                        sync.setup()
+                    report = sync.sync(check=True)  # checksums: of the BF16 values sent
+                    assert report.bytes_ratio == 1.0 and not report.checksum_mismatches
+                    after.append(torch.tensor(ray.get(engine.prompt_logprobs.remote(tokens.tolist()))))
+            finally:
+                sync.close()
+    finally:
+        ray.kill(engine)
+    assert (after[0] - loaded).abs().mean() > 0.1  # the other model's weights landed
+    assert torch.equal(after[1], loaded), (after[1] - loaded).abs().max()
     exact = _logprobs(transformers.AutoModelForCausalLM.from_pretrained(fp8_model).to(torch.bfloat16).eval(), tokens)
-    assert (got - exact).abs().mean() > 0.04, (got - exact).abs().mean()
+    assert (loaded - exact).abs().mean() > 0.04, (loaded - exact).abs().mean()
