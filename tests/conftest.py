@@ -161,6 +161,13 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
     return hf_reference_logits(str(path), tokens)
 
 
+def vllm_fused_linears(layer) -> list[list[torch.nn.Module]]:
+    """A transformers Llama-style decoder layer's linear layers, grouped as vLLM fuses them (one
+    FP8 scale per group): q/k/v, gate/up, o alone, down alone."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj], [attn.o_proj], [mlp.down_proj]]
+
+
 def w8a8_fp8_linear(weight8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     per_token: bool):
     """The forward of a linear layer as vLLM's dynamic FP8 runs it, written from its description: the

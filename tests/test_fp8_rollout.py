@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_tiny_hf, random_tokens
+from conftest import build_tiny_hf, random_tokens, vllm_fused_linears
 
 from megarl.config.schema import ParallelConfig
 from megarl.rollout.fp8 import fake_quant_fp8
@@ -50,8 +50,7 @@ def _rounded_like_vllm(hf_dir, block):
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            for group in ([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-                          [layer.mlp.gate_proj, layer.mlp.up_proj], [layer.self_attn.o_proj], [layer.mlp.down_proj]):
+            for group in vllm_fused_linears(layer):
                 fused = fake_quant_fp8(torch.cat([m.weight for m in group]), block)
                 for m, part in zip(group, fused.split([m.weight.shape[0] for m in group]), strict=True):
                     m.weight.copy_(part)

@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import rank_jobs
 import torch
-from conftest import build_tiny_hf, hf_logits, random_tokens, w8a8_fp8_linear
+from conftest import build_tiny_hf, hf_logits, random_tokens, vllm_fused_linears, w8a8_fp8_linear
 
 from megarl.config.schema import OptimizerConfig, ParallelConfig
 
@@ -220,19 +220,15 @@ def test_fp8_rollout_model_vs_real_fp8_gemms(te_model, capsys):
     real = transformers.AutoModelForCausalLM.from_pretrained(te_model).float().cuda().eval()
     with torch.no_grad():
         for layer_r, layer_8 in zip(rounded.model.layers, real.model.layers, strict=True):
-            groups = [("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")),
-                      ("self_attn", ("o_proj",)), ("mlp", ("down_proj",))]
-            for block, names in groups:
-                fused = torch.cat([getattr(getattr(layer_r, block), n).weight for n in names])
+            for group_r, group_8 in zip(vllm_fused_linears(layer_r), vllm_fused_linears(layer_8), strict=True):
+                fused = torch.cat([m.weight for m in group_r])
                 scale = fused.abs().amax() / E4M3_MAX
+                sizes = [m.weight.shape[0] for m in group_r]
                 fused8 = (fused / scale).to(torch.float8_e4m3fn)
-                parts_r = fake_quant_fp8(fused).split([getattr(getattr(layer_r, block), n).weight.shape[0]
-                                                       for n in names])
-                parts_8 = fused8.split([p.shape[0] for p in parts_r])
-                for name, part_r, part_8 in zip(names, parts_r, parts_8, strict=True):
-                    getattr(getattr(layer_r, block), name).weight.copy_(part_r)
-                    module = getattr(getattr(layer_8, block), name)
-                    module.forward = w8a8_fp8_linear(part_8.contiguous(), scale, module.bias, per_token=True)
+                for m_r, m_8, part_r, part_8 in zip(group_r, group_8, fake_quant_fp8(fused).split(sizes),
+                                                    fused8.split(sizes), strict=True):
+                    m_r.weight.copy_(part_r)
+                    m_8.forward = w8a8_fp8_linear(part_8.contiguous(), scale, m_8.bias, per_token=True)
         tokens = random_tokens(batch=4, seq=64, vocab=full.config.vocab_size, seed=3).cuda()
         logp = {name: torch.log_softmax(m(tokens).logits.float(), dim=-1)
                 for name, m in (("full", full), ("rounded", rounded), ("real", real))}
