@@ -26,6 +26,46 @@ def test_per_tensor_scale_is_amax_over_448_and_rounds_to_e4m3():
     assert out[1, 1].item() == pytest.approx(64 * scale, rel=1e-6)
 
 
+def test_cpu_fp8_quantization_is_vllms_arithmetic():
+    """The CPU shim behind vLLM's ``scaled_fp8_quant`` (platform/vllm_cpu.py): hand-worked values,
+    then vLLM's own ``QuantFP8.forward_native`` on random bf16 activations as the oracle."""
+    from megarl.platform.vllm_cpu import _scaled_fp8_quant
+
+    x = torch.tensor([[1.0, -2.0], [1.3, 7.0]])
+    # dynamic per tensor: amax 7 -> scale 7 / 448 = 1 / 64; 1, -2, 7 scale to 64, -128, 448
+    # (representable); 1.3 -> 83.2, between 80 and 88 (step 8 in [64, 128)): 80
+    q, scale = _scaled_fp8_quant(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.tolist() == [1 / 64]
+    assert q.float().tolist() == [[64.0, -128.0], [80.0, 448.0]]
+    # dynamic per token: row amaxes 2 and 7 -> scales 2 / 448, 7 / 448; 1 -> 224, 1.3 -> 83.2 -> 80
+    q, scale = _scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    assert scale.flatten().tolist() == pytest.approx([2 / 448, 7 / 448])
+    assert q.float().tolist() == [[224.0, -448.0], [80.0, 448.0]]
+    # a given (static) scale: 1 / 0.5 = 2; 300 / 0.5 = 600 clamps to E4M3's largest, 448
+    q, _ = _scaled_fp8_quant(torch.tensor([1.0, 300.0]), torch.tensor([0.5]))
+    assert q.float().tolist() == [2.0, 448.0]
+    # all zeros: the scale is floored at 1 / (448 * 512), never 0 (no 0 / 0)
+    _, scale = _scaled_fp8_quant(torch.zeros(3))
+    assert scale.item() == pytest.approx(1 / (448 * 512))
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    activations = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)).bfloat16() * 3
+    with set_current_vllm_config(VllmConfig()):
+        for per_token in (False, True):
+            group = GroupShape.PER_TOKEN if per_token else GroupShape.PER_TENSOR
+            want_q, want_scale = QuantFP8(static=False, group_shape=group,
+                                          compile_native=False).forward_native(activations)
+            got_q, got_scale = _scaled_fp8_quant(activations, use_per_token_if_dynamic=per_token)
+            assert torch.equal(got_q.float(), want_q.float()) and torch.equal(got_scale, want_scale)
+        static = torch.tensor([0.02])
+        want_q, _ = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR,
+                             compile_native=False).forward_native(activations, static)
+        assert torch.equal(_scaled_fp8_quant(activations, static)[0].float(), want_q.float())
+
+
 def test_block_scales_are_per_tile_and_edge_tiles_are_partial():
     w = torch.tensor([[1.0, 100.0, 0.0], [3.0, -0.03, 0.0], [0.0, 0.0, 0.0]])
     # a 1 x 1 tile is its own amax: every value maps to +-448 and comes back exactly

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megarl.plan.archs import load_arch
 from megarl.plan.hardware import GIB, gpu_spec
 from megarl.plan.memory import (
     Layout,
+    RolloutShape,
     Workload,
     grad_buffer_numel,
     stage_tensors,
     trained_rank,
     vllm_kv_bytes_per_token,
+    vllm_memory,
 )
 from megarl.plan.search import NoFit, PlanInputs, pipeline_split, plan
+from megarl.plan.steptime import RLShape, generation_s, rollout_token_s
 
 
 def test_llama8b_weight_bytes_by_hand():
@@ -57,6 +62,39 @@ def test_kv_cache_bytes_per_token():
     arch = load_arch("llama3.1-8b")
     assert vllm_kv_bytes_per_token(arch, tp=2, dtype="bfloat16") == 2 * 32 * 4 * 128 * 2
     assert vllm_kv_bytes_per_token(arch, tp=16, dtype="bfloat16") == 2 * 32 * 1 * 128 * 2  # replicated KV heads
+
+
+def test_fp8_rollout_holds_the_layers_in_one_byte_and_runs_their_gemms_at_the_fp8_rate():
+    """rollout.weights=fp8 (vLLM's online FP8): Llama-3.1-8B's 32 layers in E4M3, its untied
+    embeddings and LM head in bf16, by hand; the GEMMs at 1979 TFLOPS on an H100, at bf16 on an
+    A100 (no FP8 tensor cores); the emulation (rounded values, stored in bf16) changes nothing."""
+    arch = load_arch("llama3.1-8b")
+    layers = 8_030_261_248 - 2 * 128256 * 4096 - 4096
+    bf16, fp8 = RolloutShape(tp=2), RolloutShape(tp=2, weights="fp8")
+    h100, a100 = gpu_spec("h100-80gb"), gpu_spec("a100-80gb")
+    weights = {shape.weights: vllm_memory(arch, shape, h100.memory_bytes)[0].components["vllm_weights"]
+               for shape in (bf16, fp8, RolloutShape(tp=2, weights="fp8_emulated"))}
+    assert weights["model"] == weights["fp8_emulated"] == 2 * 8_030_261_248 / 2
+    assert weights["fp8"] == (2 * (2 * 128256 * 4096 + 4096) + layers) / 2
+    eff = PlanInputs(h100).eff
+    mfu = 2 * 1e12 * eff.prefill_mfu  # tp 2
+    per_token = 2 * 8_030_261_248 + 2 * 32 * 32 * 128 * 100  # weights and attention over 100 tokens
+    assert rollout_token_s(arch, bf16, 100, h100, eff) == pytest.approx(per_token / (989 * mfu))
+    assert rollout_token_s(arch, fp8, 100, h100, eff) == pytest.approx(
+        2 * layers / (1979 * mfu) + (per_token - 2 * layers) / (989 * mfu))
+    assert rollout_token_s(arch, fp8, 100, a100, eff) == rollout_token_s(arch, bf16, 100, a100, eff)
+    rl = RLShape()
+    for gpu in (h100, a100):  # fewer bytes per decode step on both
+        assert generation_s(arch, fp8, rl, gpu, eff) < generation_s(arch, bf16, rl, gpu, eff)
+
+
+def test_cli_plans_fp8_rollout_of_a_recipe(capsys):
+    from megarl.cli.main import main
+
+    recipe = Path(__file__).parent.parent / "model_configs" / "qwen2.5_7b_grpo.yaml"
+    assert main(["plan", "--model", str(recipe), "--rollout-weights", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "weights fp8" in out and "fp8_tflops           1979.0 (--gpu-fp8-tflops)" in out
 
 
 def test_refuses_with_the_shortfall():

@@ -48,8 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--max-staleness", type=int, default=None,
                    help="rollout ahead of training by this many weight versions (trainer.max_staleness; default 0, "
                    "a recipe's own): disaggregated, generation then overlaps scoring and training")
+    w.add_argument("--rollout-weights", choices=["model", "fp8", "fp8_emulated"], default=None,
+                   help="vLLM's weights (rollout.weights; default model, a recipe's own): fp8 holds the layers in "
+                   "E4M3 (half the bf16 bytes) and runs their GEMMs at --gpu-fp8-tflops")
     h = p.add_argument_group("hardware and efficiency overrides (defaults: the --gpu datasheet)")
     for flag, dest in (("--gpu-memory-gib", "memory_gib"), ("--gpu-tflops", "bf16_tflops"),
+                       ("--gpu-fp8-tflops", "fp8_tflops"),
                        ("--hbm-gbps", "hbm_gbps"), ("--nvlink-gbps", "nvlink_gbps"),
                        ("--interconnect-gbps", "interconnect_gbps"), ("--pcie-gbps", "pcie_gbps")):
         h.add_argument(flag, dest=dest, type=float)
@@ -67,6 +71,7 @@ _RANGES = (
     ("--max-num-seqs", "max_num_seqs", "[1, inf)"), ("--max-staleness", "max_staleness", "[0, inf)"),
     ("--gpus-per-node", "gpus_per_node", "[1, inf)"),
     ("--gpu-memory-gib", "memory_gib", "(0, inf)"), ("--gpu-tflops", "bf16_tflops", "(0, inf)"),
+    ("--gpu-fp8-tflops", "fp8_tflops", "(0, inf)"),
     ("--hbm-gbps", "hbm_gbps", "(0, inf)"), ("--nvlink-gbps", "nvlink_gbps", "(0, inf)"),
     ("--interconnect-gbps", "interconnect_gbps", "(0, inf)"), ("--pcie-gbps", "pcie_gbps", "(0, inf)"),
     ("--train-mfu", "train_mfu", "(0, 1]"), ("--prefill-mfu", "prefill_mfu", "(0, 1]"),
@@ -118,13 +123,18 @@ def main(args: argparse.Namespace) -> int:
     from megarl.plan.steptime import RLShape
     from megarl.validation import validate_run
 
-    gpu = gpu_spec(args.gpu, **{k: getattr(args, k) for k in ("memory_gib", "bf16_tflops", "hbm_gbps",
+    gpu = gpu_spec(args.gpu, **{k: getattr(args, k) for k in ("memory_gib", "bf16_tflops", "fp8_tflops", "hbm_gbps",
                                                               "nvlink_gbps", "interconnect_gbps", "pcie_gbps",
                                                               "gpus_per_node")})
     keys = [f[2:].replace("-", "_") for f in EFFICIENCY_FLAGS]
     eff = replace(Efficiency(), **{k: v for k in keys if (v := getattr(args, k)) is not None})
     try:
         arch, recipe = _model(args.model)
+        if recipe is not None and args.rollout_weights:
+            # the recipe as it would run with these weights: FP8 ones cannot be verified bit for bit
+            verify = recipe.trainer.verify_sync if args.rollout_weights == "model" else "never"
+            recipe = replace(recipe, rollout=replace(recipe.rollout, weights=args.rollout_weights),
+                             trainer=replace(recipe.trainer, verify_sync=verify))
         if recipe is not None and args.gpus is None:
             result = evaluate_recipe(recipe, validate_run(recipe), gpu, eff)
             rl = rl_shape(recipe)
@@ -141,8 +151,9 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError("--gpus N (>= 1) is needed to plan a model")
         staleness = args.max_staleness if args.max_staleness is not None else (
             recipe.trainer.max_staleness if recipe is not None else 0)
+        weights = args.rollout_weights or (recipe.rollout.weights if recipe is not None else "model")
         inputs = PlanInputs(gpu, rl, eff, micro_batch=args.micro_batch, max_num_seqs=args.max_num_seqs,
-                            max_staleness=staleness)
+                            max_staleness=staleness, rollout_weights=weights)
         result = plan(arch, args.gpus, inputs, args.placement)
     except NoFit as e:
         print(f"megarl plan: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""GPU figures the planner uses: memory, dense BF16 FLOPs, HBM and link bandwidths.
+"""GPU figures the planner uses: memory, dense BF16 (and FP8) FLOPs, HBM and link bandwidths.
 
 Published datasheet numbers (SXM parts); every one can be overridden on the command
 line, and the plan prints the figures it used. Memory is what the device reports
@@ -22,6 +22,7 @@ class GpuSpec:
     interconnect_gbps: float  # per-GPU inter-node bandwidth (InfiniBand / RoCE), GB/s
     pcie_gbps: float = 25.0  # host <-> GPU for offloading, one direction, sustained (pinned memory)
     gpus_per_node: int = 8
+    fp8_tflops: float | None = None  # dense FP8 tensor-core peak; None: no FP8 tensor cores
 
     @property
     def memory_bytes(self) -> float:
@@ -30,12 +31,12 @@ class GpuSpec:
 
 GPUS: dict[str, GpuSpec] = {
     # H100 SXM5: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, NVLink4 450 GB/s per direction,
-    # one 400 Gb/s NIC per GPU.
-    "h100-80gb": GpuSpec("h100-80gb", 79.6, 989.0, 3350.0, 450.0, 50.0),
+    # one 400 Gb/s NIC per GPU; 1979 TFLOPS dense FP8.
+    "h100-80gb": GpuSpec("h100-80gb", 79.6, 989.0, 3350.0, 450.0, 50.0, fp8_tflops=1979.0),
     # H200 SXM: the H100's compute with 141 GB HBM3e at 4.8 TB/s.
-    "h200-141gb": GpuSpec("h200-141gb", 140.4, 989.0, 4800.0, 450.0, 50.0),
+    "h200-141gb": GpuSpec("h200-141gb", 140.4, 989.0, 4800.0, 450.0, 50.0, fp8_tflops=1979.0),
     # A100 SXM4 80GB: 312 TFLOPS dense BF16, 2.04 TB/s HBM2e, NVLink3 300 GB/s per direction,
-    # one 200 Gb/s NIC per GPU.
+    # one 200 Gb/s NIC per GPU; no FP8 tensor cores.
     "a100-80gb": GpuSpec("a100-80gb", 80.0, 312.0, 2039.0, 300.0, 25.0),
 }
 

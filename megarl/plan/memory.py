@@ -395,6 +395,28 @@ class RolloutShape:
     # vLLM refills a finished sequence's slot at once; False: static batches of max_num_seqs that
     # each run until their own longest response ends (NeMo-Aligner's TRT-LLM rollout micro-batches)
     continuous_batching: bool = True
+    # rollout.weights: "fp8" is vLLM's online FP8 (the layers' weights in E4M3, FP8 GEMMs);
+    # "model" and "fp8_emulated" (FP8-rounded values stored dequantized) hold the rollout dtype
+    weights: str = "model"
+
+
+def outside_layer_params(arch: ModelArch) -> int:
+    """Parameters outside the transformer layers: embeddings, an untied LM head, the final norm."""
+    return arch.vocab_size * arch.hidden_size * (1 if arch.tie_embeddings else 2) + arch.hidden_size
+
+
+def vllm_weight_bytes(arch: ModelArch, roll: RolloutShape, params: float) -> float:
+    """Bytes of ``params`` parameters of an engine's model, the embeddings and LM head among them.
+
+    With real FP8 rollout vLLM quantizes the layers' linear weights (MoE experts included) to
+    E4M3, one byte each; their scales (one per tensor or per 128 x 128 block) and the layers'
+    norms are a rounding error. Embeddings and the LM head stay in the rollout dtype.
+    """
+    e = DTYPE_BYTES[roll.dtype]
+    if roll.weights != "fp8":
+        return params * e
+    outside = min(outside_layer_params(arch), params)
+    return outside * e + (params - outside)
 
 
 def vllm_kv_bytes_per_token(arch: ModelArch, tp: int, dtype: str) -> float:
@@ -409,8 +431,8 @@ def vllm_memory(arch: ModelArch, roll: RolloutShape, capacity_bytes: float) -> t
     vLLM claims ``gpu_memory_utilization`` of the device and fills what its weights and
     activation peak leave with KV cache; that claim is what sits next to other roles.
     """
-    e = DTYPE_BYTES[roll.dtype]
-    weights = arch.num_parameters() * e / roll.tp
+    e = DTYPE_BYTES[roll.dtype]  # activations stay in the rollout dtype under FP8 weights
+    weights = vllm_weight_bytes(arch, roll, arch.num_parameters()) / roll.tp
     h, ffn = arch.hidden_size, arch.ffn_hidden_size * (arch.moe_topk or 1)
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     # the profiling pass: a full batch of tokens through one layer, logits of the sampled rows

@@ -87,7 +87,7 @@ def evaluate_recipe(cfg: RunConfig, archs: dict[str, ModelArch], gpu: GpuSpec, e
             roles[name] = RolePlan(name, layout, "none", mem, t)
     r = cfg.rollout
     shape = RolloutShape(tp=r.tp, engines=r.engines, max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
-                         gpu_memory_utilization=r.gpu_memory_utilization, dtype=r.dtype)
+                         gpu_memory_utilization=r.gpu_memory_utilization, dtype=r.dtype, weights=r.weights)
     vmem, needed = vllm_memory(archs["actor"], shape, gpu.memory_bytes)
     rollout = RolloutPlan(shape, vmem, needed, steptime.generation_s(archs["actor"], shape, rl, gpu, eff))
 

@@ -19,7 +19,8 @@ def format_plan(plan: Plan, gpu: GpuSpec, eff: Efficiency, rl: RLShape, title: s
         lines.append(f"  {name:<13} {role.layout.describe()} ({role.layout.gpus} GPUs{recompute}{split})")
     s = plan.rollout.shape
     lines.append(f"  {'rollout':<13} vLLM tp={s.tp} x {s.engines} engines, max_num_seqs={s.max_num_seqs}, "
-                 f"gpu_memory_utilization={s.gpu_memory_utilization:.2f}")
+                 f"gpu_memory_utilization={s.gpu_memory_utilization:.2f}"
+                 + (f", weights {s.weights}" if s.weights != "model" else ""))
     lines += ["", "per-GPU memory (GiB) by component, per group of GPUs (peak phase)"]
     for group, mem in plan.per_gpu.items():
         verdict = "fits" if mem.total <= plan.capacity else f"OVER by {(mem.total - plan.capacity) / GIB:.1f}"
@@ -41,11 +42,13 @@ def format_plan(plan: Plan, gpu: GpuSpec, eff: Efficiency, rl: RLShape, title: s
     else:
         lines.append(f"  {'total':<13} {plan.step_s:9.1f}")
     lines += ["", "hardware and efficiency figures used (override with the flags shown)"]
-    flags = {"memory_gib": "--gpu-memory-gib", "bf16_tflops": "--gpu-tflops", "hbm_gbps": "--hbm-gbps",
+    flags = {"memory_gib": "--gpu-memory-gib", "bf16_tflops": "--gpu-tflops", "fp8_tflops": "--gpu-fp8-tflops",
+             "hbm_gbps": "--hbm-gbps",
              "nvlink_gbps": "--nvlink-gbps", "interconnect_gbps": "--interconnect-gbps", "pcie_gbps": "--pcie-gbps",
              "gpus_per_node": "--gpus-per-node"}
     for key, flag in flags.items():
-        lines.append(f"  {key:<18} {getattr(gpu, key):>8} ({flag})")
+        value = getattr(gpu, key)
+        lines.append(f"  {key:<18} {'none' if value is None else value:>8} ({flag})")
     for key, value in asdict(eff).items():
         lines.append(f"  {key:<18} {value:>8} (--{key.replace('_', '-')})")
     for note in plan.notes:

@@ -62,6 +62,7 @@ class PlanInputs:
     # rollout ahead of training (trainer.max_staleness): disaggregated, a step's generation of the
     # next batch overlaps its scoring and training; colocated stays synchronous
     max_staleness: int = 0
+    rollout_weights: str = "model"  # rollout.weights: "fp8" holds vLLM's layers in E4M3
 
 
 @dataclass
@@ -256,7 +257,8 @@ def rollout_at(arch: ModelArch, gpus: int, inp: PlanInputs, utilization: float, 
     """vLLM engines of ``tp`` GPUs on ``gpus`` GPUs, as many sequences at once as the KV cache holds."""
     per_engine = -(-inp.rl.sequences // (gpus // tp))
     shape = RolloutShape(tp=tp, engines=gpus // tp, max_num_seqs=min(inp.max_num_seqs, per_engine),
-                         max_model_len=inp.rl.seq_len, gpu_memory_utilization=utilization, dtype=inp.dtype)
+                         max_model_len=inp.rl.seq_len, gpu_memory_utilization=utilization, dtype=inp.dtype,
+                         weights=inp.rollout_weights)
     mem, needed = vllm_memory(arch, shape, inp.gpu.memory_bytes)
     # vLLM admits sequences by the KV blocks they use: the mean sequence, not the longest
     per_seq = needed / shape.max_num_seqs * inp.rl.mean_seq_len / inp.rl.seq_len
@@ -344,7 +346,7 @@ def _rollout_anyway(arch: ModelArch, gpus: int, inp: PlanInputs, util: float) ->
     """The roomiest vLLM shape, for reporting a rollout that does not fit."""
     tp = max(t for t in (1, 2, 4, 8, 16) if gpus % t == 0 and arch.num_heads % t == 0)
     shape = RolloutShape(tp=tp, engines=gpus // tp, max_num_seqs=inp.max_num_seqs, max_model_len=inp.rl.seq_len,
-                         gpu_memory_utilization=util, dtype=inp.dtype)
+                         gpu_memory_utilization=util, dtype=inp.dtype, weights=inp.rollout_weights)
     mem, needed = vllm_memory(arch, shape, inp.gpu.memory_bytes)
     return RolloutPlan(shape, mem, needed, steptime.generation_s(arch, shape, inp.rl, inp.gpu, inp.eff))
 

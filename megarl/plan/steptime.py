@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 from megarl.models.hf_arch import ModelArch
 from megarl.plan.hardware import Efficiency, GpuSpec
-from megarl.plan.memory import DTYPE_BYTES, Layout, RolloutShape, layer_tensors, vllm_kv_bytes_per_token
+from megarl.plan.memory import (
+    DTYPE_BYTES,
+    Layout,
+    RolloutShape,
+    layer_tensors,
+    outside_layer_params,
+    vllm_kv_bytes_per_token,
+    vllm_weight_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -98,18 +106,32 @@ def active_fraction(step: float, max_len: float, mean_len: float) -> float:
     return (1.0 - step / max_len) ** k
 
 
+def rollout_token_s(arch: ModelArch, roll: RolloutShape, context: float, gpu: GpuSpec, eff: Efficiency) -> float:
+    """Compute seconds of one token through one engine at ``context`` tokens of attention.
+
+    With real FP8 rollout the layers' GEMMs run at the GPU's FP8 rate where it has FP8 tensor
+    cores (Hopper: twice BF16); elsewhere vLLM runs FP8 weights through BF16 GEMMs (Ampere's
+    weight-only path), so only the bytes shrink. Attention and the LM head stay BF16.
+    """
+    bf16 = gpu.bf16_tflops * 1e12 * roll.tp * eff.prefill_mfu
+    flops = forward_flops_per_token(arch, context)
+    if roll.weights != "fp8" or not gpu.fp8_tflops:
+        return flops / bf16
+    gemm = 2 * (active_params(arch) - outside_layer_params(arch))
+    return gemm / (gpu.fp8_tflops * 1e12 * roll.tp * eff.prefill_mfu) + (flops - gemm) / bf16
+
+
 def decode_step_s(arch: ModelArch, roll: RolloutShape, active: float, context: float, gpu: GpuSpec,
                   eff: Efficiency) -> float:
     """One decode step of one engine with ``active`` sequences of ``context`` tokens."""
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm_efficiency * roll.tp
-    flops = gpu.bf16_tflops * 1e12 * roll.tp * eff.prefill_mfu
-    weights = arch.num_parameters() * DTYPE_BYTES[roll.dtype]
+    params = float(arch.num_parameters())
     if arch.is_moe:  # a small batch touches only the experts its tokens are routed to
         touched = min(1.0, active * (arch.moe_topk or 1) / arch.num_experts)
-        weights = (active_params(arch) + (arch.num_parameters() - active_params(arch)) * touched) \
-            * DTYPE_BYTES[roll.dtype]
+        params = active_params(arch) + (arch.num_parameters() - active_params(arch)) * touched
+    weights = vllm_weight_bytes(arch, roll, params)
     kv = active * context * vllm_kv_bytes_per_token(arch, roll.tp, roll.dtype) * roll.tp
-    compute = active * forward_flops_per_token(arch, context) / flops
+    compute = active * rollout_token_s(arch, roll, context, gpu, eff)
     return max((weights + kv) / hbm, compute) + eff.decode_step_ms / 1e3
 
 
@@ -123,8 +145,7 @@ def generation_s(arch: ModelArch, roll: RolloutShape, rl: RLShape, gpu: GpuSpec,
     per_engine = math.ceil(rl.sequences / roll.engines)
     batch = min(per_engine, roll.max_num_seqs)
     longest, mean = rl.response_len, rl.mean_response
-    flops = gpu.bf16_tflops * 1e12 * roll.tp * eff.prefill_mfu
-    prefill = per_engine * rl.prompt_len * forward_flops_per_token(arch, rl.prompt_len / 2) / flops
+    prefill = per_engine * rl.prompt_len * rollout_token_s(arch, roll, rl.prompt_len / 2, gpu, eff)
     if not roll.continuous_batching:
         return prefill + math.ceil(per_engine / batch) * static_batch_s(arch, roll, rl, batch, gpu, eff)
     queued_steps = max(per_engine - batch, 0) * mean / batch
@@ -302,6 +323,7 @@ def optimizer_offload_s(arch: ModelArch, layout: Layout, cost: TrainCost, gpu: G
 
 
 def weight_sync_s(arch: ModelArch, roll: RolloutShape, colocated: bool, gpu: GpuSpec, eff: Efficiency) -> float:
+    # real FP8 rollout too: the sync sends unquantized weights, vLLM quantizes them on arrival
     shard = arch.num_parameters() * DTYPE_BYTES[roll.dtype] / roll.tp
     link = gpu.nvlink_gbps if colocated else gpu.interconnect_gbps
     return shard / (link * 1e9 * eff.link_efficiency)
