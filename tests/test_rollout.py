@@ -179,3 +179,50 @@ def test_an_interrupted_segment_stops_early_and_continues_where_it_stopped(engin
         assert len(response) == budget or tail.finish_reason == "stop"
         scored = engine.prompt_logprobs([prompt + response])[0][len(prompt) - 1:]
         assert torch.allclose(torch.tensor(head.logprobs + tail.logprobs), torch.tensor(scored), atol=1e-4)
+
+
+def test_streamed_groups_of_segments_are_cut_short_by_an_interrupt_and_continue(engine):
+    """``rollout.granularity: group`` under the opportunistic schedule (``serve_segment_groups``):
+    uninterrupted, each streamed group holds the segments ``generate_segments`` gives for the same
+    requests, a sample finished already (None) left out; an ``interrupt`` of the streams' epoch ends
+    them, the groups in flight coming back with their tokens so far as "interrupted" and the groups
+    still waiting never sent; streamed again, every sample finishes, and each whole response's
+    log-probs are the engine's scoring of it (one version throughout)."""
+    import time
+
+    from megarl.rollout.group_streams import groups_as_they_finish, open_segment_group_streams
+    from megarl.rollout.sampling import SegmentRequest
+    from megarl.trainer.partial_rollouts import new_batch, stream, take_groups
+
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12)
+    requests = [(0, [SegmentRequest([1, 2, 3], 12, 40), SegmentRequest([1, 2, 3], 12, 41)]),
+                (1, [None, SegmentRequest([9, 8, 7, 6], 12, 42)]),
+                (2, [SegmentRequest([5, 6], 12, 43), SegmentRequest([5, 6], 12, 44)])]
+    whole = engine.generate_segments([r for _, group in requests for r in group if r is not None], sampling, epoch=20)
+    streams = open_segment_group_streams([engine.handle], requests, sampling, epoch=20, max_num_seqs=2)
+    got = dict(groups_as_they_finish(streams, timeout_s=300))
+    assert sorted(got) == [0, 1, 2] and got[1][0] is None
+    streamed = [s for i in (0, 1, 2) for s in got[i] if s is not None]
+    assert [s.response_ids for s in streamed] == [s.response_ids for s in whole]
+    for a, b in zip(streamed, whole, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6) and a.finish_reason == b.finish_reason
+
+    budget, prompts = 240, [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4], [5, 6]]
+    batch = new_batch(1, [0, 1, 2, 3], prompts, n=2, seed=11)
+    long = dataclasses.replace(sampling, max_tokens=budget)
+    stream(batch, [engine.handle], long, version=0, epoch=21, max_num_seqs=4)  # two groups run, two wait
+    assert len(batch.streams.waiting) == 2
+    time.sleep(1.0)
+    engine.interrupt(21)
+    finished = list(take_groups(batch, timeout_s=120))
+    assert batch.streams is None and not batch.finished
+    cut = [s for s in batch.slots if s.finish_reason is None]
+    assert all(s.segments == 0 for s in batch.slots[4:]), "a waiting group was generated after the interrupt"
+    assert all(s.segments == 1 for s in batch.slots[:4]) and set(finished) <= {0, 1}
+    assert any(0 < len(s.response_ids) < budget for s in cut), [len(s.response_ids) for s in cut]
+    stream(batch, [engine.handle], long, version=0, epoch=22, max_num_seqs=4)
+    assert sorted([*finished, *take_groups(batch, timeout_s=300)]) == [0, 1, 2, 3] and batch.finished
+    for slot in batch.slots:
+        assert len(slot.response_ids) == budget or slot.finish_reason == "stop"
+        scored = engine.prompt_logprobs([slot.prompt_ids + slot.response_ids])[0][len(slot.prompt_ids) - 1:]
+        assert torch.allclose(torch.tensor(slot.logprobs), torch.tensor(scored), atol=1e-4)

@@ -271,3 +271,30 @@ def test_work_is_split_over_engines_in_contiguous_shares_that_keep_groups_whole(
     # 3 groups of 2 samples over 2 engines: 2 groups, then 1; no group split
     assert contiguous_shares(list("aabbcc"), 2, unit=2) == [list("aabb"), list("cc")]
     assert contiguous_shares([], 2) == [[], []]
+
+
+def test_groups_scored_as_they_came_in_are_the_batchs_scores_in_prompt_order(manager, smollm2):
+    """rollout.granularity=group under the opportunistic schedule: each finished group is scored
+    when it comes in, in whatever order; the assembled batch holds those scores in prompt order,
+    equal to scoring the whole batch at once, and the decoded texts the reward terms read."""
+    from transformers import AutoTokenizer
+
+    from megarl.trainer.partial_rollouts import PartialRollout, Slot
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    ids = manager.dataset.next_ids()
+    answers = [manager.dataset.items[i].metadata["answer"] for i in ids]
+    texts = [[f"<answer>{answers[0]}</answer>", "no idea"], ["<answer>-1</answer>", f"<answer>{answers[1]}</answer>"]]
+    slots = [Slot([1, 2], 7, tokenizer.encode(text), [-0.5] * len(tokenizer.encode(text)),
+                  [0] * len(tokenizer.encode(text)), 1, "stop") for group in texts for text in group]
+    batch = PartialRollout(6, ids, 2, slots)
+    whole = manager.assemble_partial(batch)
+    assert whole.scored is None  # nothing scored ahead: the trainer scores it
+    for g in (1, 0):  # the second group finished first
+        inputs = manager._reward_inputs(ids[g:g + 1], [[s.sample() for s in batch.group(g)]])
+        batch.scored_groups[g] = (inputs, manager.reward.score(inputs))
+    streamed = manager.assemble_partial(batch)
+    assert streamed.reward_inputs == whole.reward_inputs
+    scores, parts = manager.score(whole)
+    assert streamed.scored[0].tolist() == scores.tolist() and scores.tolist()[0] > scores.tolist()[1]
+    assert all(streamed.scored[1][name].tolist() == values.tolist() for name, values in parts.items())

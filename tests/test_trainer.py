@@ -266,6 +266,26 @@ def test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once(policy,
     print("spanning fractions:", [h.get("rollout/spanning_fraction") for h in history])
 
 
+def test_opportunistic_groups_stream_and_continue_under_the_new_weights(policy, reward_url, tmp_path):
+    """rollout.granularity=group under trainer.schedule=opportunistic at k=2: the engine holds one
+    group at a time (max_num_seqs = n) and is handed the next as one finishes; each weight sync
+    interrupts the stream, the groups it cut short come back as far as they got and continue under
+    the new weights with the groups still waiting. Every batch's prompts come in order, within the
+    bound, and some samples span two versions."""
+    from megarl.data.prompts import prompt_dataset
+    from megarl.trainer.loop import train
+
+    cfg = _config([*grpo_overrides(policy, reward_url, tmp_path / "groups", steps=3), *OPPORTUNISTIC,
+                   "trainer.max_staleness=2", "rollout.granularity=group", "rollout.max_num_seqs=4"])
+    history = train(cfg)
+    dataset = prompt_dataset(cfg.data)
+    assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(3)]
+    assert all(0 <= h["rollout/staleness"] <= 2 for h in history)
+    spanning = [h["rollout/spanning_fraction"] for h in history]
+    print(f"spanning fractions: {spanning}")
+    assert any(f > 0 for f in spanning), spanning
+
+
 def test_opportunistic_episodes_continue_under_the_new_weights(policy, reward_url, tmp_path):
     """Multi-turn episodes (``env.kind: single_turn``, scored by the run's reward in the engine)
     under trainer.schedule=opportunistic at k=2 with rollout.partial=continue: each weight sync

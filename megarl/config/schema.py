@@ -216,7 +216,8 @@ class RolloutConfig:
     # one vLLM generate call. group: each engine gets the groups its running batch holds, then the
     # next group whenever one of its own finishes, and each group comes back as soon as its samples
     # do, so the rollout service decodes and scores it while the others generate (slow rewards:
-    # remote judges, sandboxes). The same samples either way. Single-turn, exact schedule.
+    # remote judges, sandboxes). The same samples either way. Under trainer.schedule=opportunistic
+    # (single-turn) an interruption cuts the groups in flight short; they continue after the sync.
     granularity: str = "batch"  # batch | group
     # MoE: vLLM's expert parallelism (enable_expert_parallel): each engine rank holds E / tp whole
     # experts instead of a tp slice of every expert; the weight sync sends each rank its experts

@@ -7,7 +7,8 @@ on another's long tail. Every group comes back on its own as soon as its last sa
 (``VLLMEngine.serve_groups``, a Ray streaming generator). The samples do not depend on which
 engine draws them: sample j of every prompt is seeded ``seed + j`` on any engine, as in a whole
 batch's ``generate``. Multi-turn episodes stream the same way, a group's episodes together
-(``VLLMEngine.serve_episode_groups``).
+(``VLLMEngine.serve_episode_groups``), and so do the interruptible samples of the opportunistic
+schedule (``VLLMEngine.serve_segment_groups``): an interruption ends the streams early.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from megarl.config.schema import RunConfig
 from megarl.rollout.episodes import EpisodeRequest
-from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils.abort import RUN_ABORT
 
 _stream_ids = itertools.count(1)  # unique in the process that submits: one per (batch, engine) call
@@ -34,7 +35,8 @@ class GroupStreams:
     engines: list  # Ray handles of the engines that got groups
     streams: list[int]  # each engine's serve_groups call id
     calls: list  # each engine's object ref generator
-    waiting: deque = field(default_factory=deque)  # (index in the batch, prompt token ids)
+    # (index in the batch, what the engine's call takes: prompt ids, episode or segment requests)
+    waiting: deque = field(default_factory=deque)
     closed: bool = False
 
 
@@ -45,7 +47,20 @@ def open_group_streams(engines: list, prompts: list[list[int]], sampling: Sampli
     def serve(engine, stream: int):
         return engine.serve_groups.options(num_returns="streaming").remote(stream, sampling)
 
-    return _open(engines, prompts, max(1, max_num_seqs // max(1, sampling.n)), serve)
+    return _open(engines, list(enumerate(prompts)), max(1, max_num_seqs // max(1, sampling.n)), serve)
+
+
+def open_segment_group_streams(engines: list, groups: list[tuple[int, list[SegmentRequest | None]]],
+                               sampling: SamplingConfig, epoch: int, max_num_seqs: int) -> GroupStreams:
+    """The same for interruptible samples (``trainer.schedule: opportunistic``): each group as (its
+    index in the batch, a ``SegmentRequest`` or None per sample, None for one finished already);
+    ``interrupt`` of ``epoch`` ends every stream, the groups it cut short coming back with what they
+    have (``VLLMEngine.serve_segment_groups``)."""
+    def serve(engine, stream: int):
+        return engine.serve_segment_groups.options(num_returns="streaming").remote(stream, sampling, epoch)
+
+    group_size = len(groups[0][1]) if groups else 1
+    return _open(engines, groups, max(1, max_num_seqs // group_size), serve)
 
 
 def open_episode_group_streams(engines: list, requests: list[EpisodeRequest], sampling: SamplingConfig,
@@ -62,11 +77,12 @@ def open_episode_group_streams(engines: list, requests: list[EpisodeRequest], sa
         return engine.serve_episode_groups.options(num_returns="streaming").remote(stream, one, cfg.env, cfg.rewards,
                                                                                    limits)
 
-    return _open(engines, groups, max(1, cfg.env.max_concurrent_episodes // n), serve)
+    return _open(engines, list(enumerate(groups)), max(1, cfg.env.max_concurrent_episodes // n), serve)
 
 
-def _open(engines: list, groups: list, per_engine: int, serve: Callable[[Any, int], Any]) -> GroupStreams:
-    waiting = deque(enumerate(groups))
+def _open(engines: list, groups: list[tuple[int, Any]], per_engine: int, serve: Callable[[Any, int], Any]
+          ) -> GroupStreams:
+    waiting = deque(groups)
     out = GroupStreams([], [], [], waiting)
     for engine in engines:
         if not waiting:

@@ -106,6 +106,7 @@ class VLLMEngine(GroupServing):
         self._segment_ids = 0
         self._intakes: dict[int, Any] = {}  # serve_groups streams' prompt queues (rollout.granularity=group)
         self._intake_lock = threading.Lock()
+        self._ended_streams: set[int] = set()  # streaming calls over (an interruption may end one early)
 
     def set_weight_version(self, version: int) -> None:
         """Records which policy version the weights just received are (a generation request

@@ -17,7 +17,7 @@ from typing import Any
 
 from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.rollout.episodes import EpisodeLimits, Trajectory
-from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.rollout.vllm_routes import routes_of_samples
 
 # The Ray concurrency group of ``add_groups``: prompts handed to a running streaming call.
@@ -42,7 +42,11 @@ class GroupServing:
         ``EpisodeRequest``s), for streaming call ``stream`` (running, or about to start: the calls
         may arrive in either order); an empty list says no more will come. Answers at once, while
         the streaming call holds the engine's main thread."""
-        self._intake(stream).put(prompts)
+        with self._intake_lock:
+            if stream in self._ended_streams:  # an interrupted stream: the caller hands them out again
+                return
+            intake = self._intakes.setdefault(stream, queue.SimpleQueue())
+        intake.put(prompts)
 
     def serve_groups(self, stream: int, sampling: SamplingConfig) -> Iterator[tuple[int, list[RolloutSample]]]:
         """``rollout.granularity: group``: generates every prompt that ``add_groups`` sends for
@@ -83,6 +87,54 @@ class GroupServing:
 
         yield from self._serve(stream, admit, finished, lambda: bool(open_groups), turns.abort)
 
+    def serve_segment_groups(self, stream: int, sampling: SamplingConfig, epoch: int
+                             ) -> Iterator[tuple[int, list[RolloutSample | None]]]:
+        """``rollout.granularity: group`` under ``trainer.schedule: opportunistic``: ``serve_groups``
+        for interruptible samples. ``add_groups`` sends (index, a ``SegmentRequest`` or None per
+        sample of the group: None for one finished already); each group comes back as ``(index,
+        a segment or None per sample)`` once its last requested sample finishes, and when
+        ``interrupt`` reaches ``epoch`` every open group comes back at once, its unfinished samples
+        with the tokens they have as "interrupted", and the call ends. A group sent but not yet
+        taken in by then never comes back: the caller hands it out again."""
+        from megarl.rollout.vllm_turns import VLLMTurns
+
+        self._check_version(sampling)
+        turns = VLLMTurns(self.llm, None, sampling)
+        where: dict[str, tuple[int, int]] = {}  # request id -> (group, sample)
+        open_groups: dict[int, list] = {}  # group index -> its samples' segments so far
+        asked: dict[int, list[SegmentRequest | None]] = {}
+
+        def admit(i: int, requests: list[SegmentRequest | None]) -> None:
+            if short := [r.max_tokens for r in requests if r is not None and r.max_tokens <= 0]:
+                raise ValueError(f"a segment needs max_tokens >= 1, got {short[0]}")
+            asked[i], open_groups[i] = list(requests), [None] * len(requests)
+            for j, request in enumerate(requests):
+                if request is not None:
+                    self._segment_ids += 1
+                    where[f"megarl-segment-{self._segment_ids}"] = (i, j)
+                    turns.add(f"megarl-segment-{self._segment_ids}", request.prompt_ids, request.max_tokens,
+                              request.seed)
+
+        def segments(ended: list, reason: Callable[[Any], str]) -> Iterator[tuple[int, list]]:
+            for turn in ended:
+                i, j = where.pop(turn.request_id)
+                open_groups[i][j] = RolloutSample(list(asked[i][j].prompt_ids), turn.token_ids, turn.logprobs,
+                                                  reason(turn))
+                if all(got is not None or request is None for got, request in zip(open_groups[i], asked[i],
+                                                                                     strict=True)):
+                    asked.pop(i)
+                    yield i, open_groups.pop(i)
+
+        def finished() -> Iterator[tuple[int, list]]:
+            yield from segments(turns.step(), lambda turn: "stop" if turn.stopped else "length")
+
+        def interrupted() -> Iterator[tuple[int, list]] | None:
+            if self._interrupted_through < epoch:
+                return None
+            return segments(turns.abort(), lambda turn: "interrupted")
+
+        yield from self._serve(stream, admit, finished, lambda: bool(open_groups), turns.abort, interrupted)
+
     def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: EnvConfig,
                              rewards: list[RewardTermConfig], limits: EpisodeLimits
                              ) -> Iterator[tuple[int, list[Trajectory]]]:
@@ -119,11 +171,13 @@ class GroupServing:
         yield from self._serve(stream, admit, finished, lambda: bool(open_groups), stop)
 
     def _serve(self, stream: int, admit: Callable[[int, Any], None], finished: Callable[[], Iterator[tuple]],
-               running: Callable[[], bool], stop: Callable[[], None]) -> Iterator[tuple]:
-        """The loop of both streaming calls: every group that arrives for ``stream`` is ``admit``ted
+               running: Callable[[], bool], stop: Callable[[], None],
+               interrupted: Callable[[], Iterator[tuple] | None] = lambda: None) -> Iterator[tuple]:
+        """The loop of the streaming calls: every group that arrives for ``stream`` is ``admit``ted
         before the next step; while one is ``running``, each step's ``finished`` groups are yielded;
-        once the groups are closed and none runs, the call ends. ``stop`` on the way out aborts
-        what still runs (nothing, unless the caller went away mid-stream)."""
+        once the groups are closed and none runs, the call ends. When ``interrupted`` gives the
+        groups an interruption cut short, those are yielded and the call ends. ``stop`` on the way
+        out aborts what still runs (nothing, unless the caller went away mid-stream)."""
         intake = self._intake(stream)
         if self.routing_replay:
             self._taken_routes()  # forget what other calls ran through the model
@@ -131,6 +185,9 @@ class GroupServing:
         started = time.perf_counter()
         try:
             while not closed or running():
+                if (cut := interrupted()) is not None:
+                    yield from cut
+                    return
                 try:  # idle: wait for groups (or the close); else take whatever has arrived
                     arrived = intake.get(timeout=1.0) if not running() else intake.get_nowait()
                 except queue.Empty:
@@ -151,6 +208,7 @@ class GroupServing:
             self._generate_seconds += time.perf_counter() - started
             with self._intake_lock:
                 self._intakes.pop(stream, None)
+                self._ended_streams.add(stream)  # groups sent to it later are dropped, not queued
 
     def _attach_routes(self, requests: list[str], samples: list) -> None:
         """R3: the routes of a finished group's requests, taken from the capture, onto its samples

@@ -13,9 +13,12 @@ batch's seed + j, as vLLM's n samples of one request do, and segment s with that
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.rollout.group_streams import GroupStreams, groups_as_they_finish, open_segment_group_streams
 from megarl.rollout.sampling import SEGMENT_SEED_STRIDE, RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils.abort import wait_all
 from megarl.utils.shares import contiguous_shares
@@ -64,6 +67,11 @@ class PartialRollout:
     calls: list = field(default_factory=list)  # Ray object refs, one per engine asked
     call_slots: list[list[int]] = field(default_factory=list)  # the slots each call answers
     call_version: int = -1  # the version the calls in flight sample with
+    # rollout.granularity=group: the groups in flight (``stream``), the thread taking them in as
+    # they finish, and each finished group's reward inputs and reward terms' scores, by group
+    streams: GroupStreams | None = None
+    taking: Future | None = None
+    scored_groups: dict[int, tuple[list, Any]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -71,7 +79,10 @@ class PartialRollout:
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.calls)
+        return bool(self.calls) or self.streams is not None
+
+    def group(self, g: int) -> list[Slot]:
+        return self.slots[g * self.group_size:(g + 1) * self.group_size]
 
 
 def new_batch(index: int, prompt_ids: list[int], prompts: list[list[int]], n: int, seed: int | None
@@ -97,6 +108,42 @@ def submit(batch: PartialRollout, engines: list, sampling: SamplingConfig, versi
             requests = [batch.slots[i].request(sampling.max_tokens) for i in part]
             batch.calls.append(engine.generate_segments.remote(requests, sampling, epoch))
             batch.call_slots.append(part)
+
+
+def stream(batch: PartialRollout, engines: list, sampling: SamplingConfig, version: int, epoch: int,
+           max_num_seqs: int, regenerate: bool = False) -> None:
+    """``submit`` a group at a time (``rollout.granularity: group``): every group with an
+    unfinished sample goes to the engines' streams, the next whenever one of an engine's own
+    finishes (``group_streams``); ``take_groups`` takes them in. Returns at once."""
+    assert not batch.in_flight, "a batch's calls must be collected before it is submitted again"
+    groups = []
+    for g in range(len(batch.slots) // batch.group_size):
+        slots = batch.group(g)
+        if all(slot.finish_reason is not None for slot in slots):
+            continue
+        if regenerate:
+            for slot in slots:
+                if slot.finish_reason is None:
+                    slot.restart()
+        groups.append((g, [None if slot.finish_reason is not None else slot.request(sampling.max_tokens)
+                           for slot in slots]))
+    batch.call_version = version
+    batch.streams = open_segment_group_streams(engines, groups, sampling, epoch, max_num_seqs)
+
+
+def take_groups(batch: PartialRollout, timeout_s: float) -> Iterator[int]:
+    """The streamed groups' segments added to their slots as each group comes back (``timeout_s``
+    for all); yields each group that is then finished. Ends when every stream has: all done, or
+    an interruption (a group it cut short, or never took in, stays unfinished for the next round)."""
+    try:
+        for g, segments in groups_as_they_finish(batch.streams, timeout_s):
+            for slot, segment in zip(batch.group(g), segments, strict=True):
+                if segment is not None:
+                    slot.add(segment, batch.call_version)
+            if all(slot.finish_reason is not None for slot in batch.group(g)):
+                yield g
+    finally:
+        batch.streams = None
 
 
 def collect(batch: PartialRollout, timeout_s: float) -> None:

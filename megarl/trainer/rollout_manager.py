@@ -95,6 +95,12 @@ class RolloutManager:
         # The Rust tokenizer refuses a call from a second thread while one is in it (the
         # background thread decodes a finished batch while the next batch's prompts are tokenized)
         self._tokenizer_lock = threading.Lock()
+        # rollout.granularity=group under the opportunistic schedule: a thread per batch in flight
+        # (k + 1 at most) takes its groups in as they finish, hands the engines the next, and scores them
+        self._streams_groups = cfg.rollout.granularity == "group" and cfg.trainer.schedule == "opportunistic"
+        self._group_takers = (ThreadPoolExecutor(max_workers=cfg.trainer.max_staleness + 1,
+                                                 thread_name_prefix="megarl-group-taker")
+                              if self._streams_groups else None)
 
     def finish_ahead(self) -> None:
         """From now on each submitted batch is collected, assembled and scored by the reward terms
@@ -145,7 +151,7 @@ class RolloutManager:
             return batch
         prompts = self._tokenize([self.dataset.items[i] for i in ids])
         batch = partial_rollouts.new_batch(index, ids, prompts, sampling.n, sampling.seed)
-        partial_rollouts.submit(batch, self.engines, sampling, version, epoch)
+        self._submit_samples(batch, sampling, version, epoch)
         return batch
 
     def continue_partial(self, batch: PartialRollout | PartialEpisodes, version: int, epoch: int) -> None:
@@ -155,10 +161,31 @@ class RolloutManager:
         if isinstance(batch, PartialEpisodes):
             partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
         else:
-            partial_rollouts.submit(batch, self.engines, sampling, version, epoch,
-                                    regenerate=self.cfg.rollout.partial == "regenerate")
+            self._submit_samples(batch, sampling, version, epoch, regenerate=self.cfg.rollout.partial == "regenerate")
+
+    def _submit_samples(self, batch: PartialRollout, sampling: SamplingConfig, version: int, epoch: int,
+                        regenerate: bool = False) -> None:
+        if not self._streams_groups:
+            partial_rollouts.submit(batch, self.engines, sampling, version, epoch, regenerate=regenerate)
+            return
+        partial_rollouts.stream(batch, self.engines, sampling, version, epoch, self.cfg.rollout.max_num_seqs,
+                                regenerate=regenerate)
+        batch.taking = self._group_takers.submit(self._take_groups, batch)
+
+    def _take_groups(self, batch: PartialRollout) -> None:
+        """A streamed batch's groups taken in as they finish, each scored by the reward terms then
+        (while the engines generate the others), unless a reward model's score is needed."""
+        for g in partial_rollouts.take_groups(batch, self.cfg.trainer.step_timeout_s):
+            if self._scores_ahead:
+                inputs = self._reward_inputs(batch.prompt_ids[g:g + 1], [[s.sample() for s in batch.group(g)]])
+                batch.scored_groups[g] = (inputs, self.reward.score(inputs))
 
     def collect_partial(self, batch: PartialRollout | PartialEpisodes) -> None:
+        """Waits for a partial batch's generation in flight (all of it, or up to an interruption)."""
+        if isinstance(batch, PartialRollout) and batch.taking is not None:
+            taking, batch.taking = batch.taking, None
+            taking.result()  # take_groups waits at most trainer.step_timeout_s
+            return
         home = partial_episodes if isinstance(batch, PartialEpisodes) else partial_rollouts
         home.collect(batch, self.cfg.trainer.step_timeout_s)
 
@@ -176,8 +203,13 @@ class RolloutManager:
             return rollout
         groups, versions = partial_rollouts.samples(batch)
         oldest = min(v for vs in versions for v in vs)
-        rollout = self.assemble(batch.index, oldest, batch.prompt_ids, groups)
+        scored = batch.scored_groups if len(batch.scored_groups) == len(groups) else {}  # all, as they came in
+        rollout = self.assemble(batch.index, oldest, batch.prompt_ids, groups, reward_inputs=[
+            x for g in sorted(scored) for x in scored[g][0]] if scored else None)
         rollout.token_versions = versions
+        if scored:
+            rollout.scored = score_rollout(self.cfg, self.reward, rollout,
+                                           terms=_in_order([(g, terms) for g, (_, terms) in scored.items()]))
         return rollout
 
     def episode_batch(self, index: int, prompt_ids: list[int], group_size: int) -> PartialEpisodes:

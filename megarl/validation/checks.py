@@ -352,7 +352,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
 
 def schedule_errors(cfg: RunConfig) -> list[str]:
     """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
-    something to overlap; groups go out and come back whole, each generated in one piece."""
+    something to overlap; its interruptible groups stream single-turn samples only."""
     tr, errors = cfg.trainer, []
     if tr.schedule not in ("exact", "opportunistic"):
         errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
@@ -364,10 +364,9 @@ def schedule_errors(cfg: RunConfig) -> list[str]:
     granularity = cfg.rollout.granularity
     if granularity not in ("batch", "group"):
         errors.append(f"rollout.granularity={granularity!r} must be batch or group")
-    elif granularity == "group":
-        if tr.schedule == "opportunistic":
-            errors.append("rollout.granularity=group streams whole groups; trainer.schedule=opportunistic generates "
-                          "interruptible segments: use rollout.granularity=batch")
+    elif granularity == "group" and tr.schedule == "opportunistic" and cfg.env is not None:
+        errors.append("rollout.granularity=group with trainer.schedule=opportunistic streams single-turn samples; "
+                      "multi-turn episodes (env) under the opportunistic schedule use rollout.granularity=batch")
     return errors
 
 
