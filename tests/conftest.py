@@ -19,25 +19,9 @@ VOCAB = 250  # not a multiple of 128: exercises vocab padding
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (Transformer Engine, FP8, NCCL); skipped without it")
-    config.addinivalue_line("markers", "xdist_group(name): run on one pytest-xdist worker with the group")
-
-
-# The modules that start vLLM engines or whole runs (several GiB each). With two pytest-xdist
-# workers (`-n 2 --dist loadgroup`, the README's test command) they all go to one worker, in
-# order, while the other takes the rest (rank pools, conversions, pure functions): two of these
-# at once ran the 24 GiB machine out of memory, and the shared SmolLM2 engine
-# (``smollm2_engine``) stays with the consecutive modules that use it.
-ENGINE_MODULES = frozenset({
-    "test_trainer.py", "test_launch_two_nodes.py", "test_weight_sync_moe.py", "test_weight_sync.py",
-    "test_episodes.py", "test_fp8_rollout.py", "test_rollout.py", "test_evaluation.py", "test_launch.py",
-    "test_bench_async.py", "test_gpu.py",
-})
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in ENGINE_MODULES:
-            item.add_marker(pytest.mark.xdist_group("engines"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
