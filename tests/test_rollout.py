@@ -207,21 +207,23 @@ def test_streamed_groups_of_segments_are_cut_short_by_an_interrupt_and_continue(
     for a, b in zip(streamed, whole, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6) and a.finish_reason == b.finish_reason
 
-    budget, prompts = 240, [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4], [5, 6]]
-    batch = new_batch(1, [0, 1, 2, 3], prompts, n=2, seed=11)
+    budget = 240
+    prompts = [[1 + i, 2, 3 + i % 3, 4][: 2 + i % 3] for i in range(12)]
+    batch = new_batch(1, list(range(12)), prompts, n=2, seed=11)
     long = dataclasses.replace(sampling, max_tokens=budget)
-    stream(batch, [engine.handle], long, version=0, epoch=21, max_num_seqs=4)  # two groups run, two wait
-    assert len(batch.streams.waiting) == 2
-    time.sleep(1.0)
+    # eight groups (16 samples of up to 240 tokens) run, four wait
+    stream(batch, [engine.handle], long, version=0, epoch=21, max_num_seqs=16)
+    assert len(batch.streams.waiting) == 4
+    time.sleep(0.5)
     engine.interrupt(21)
     finished = list(take_groups(batch, timeout_s=120))
-    assert batch.streams is None and not batch.finished
-    cut = [s for s in batch.slots if s.finish_reason is None]
-    assert all(s.segments == 0 for s in batch.slots[4:]), "a waiting group was generated after the interrupt"
-    assert all(s.segments == 1 for s in batch.slots[:4]) and set(finished) <= {0, 1}
+    assert batch.streams is None and not batch.finished and set(finished) <= set(range(8))
+    assert all(s.segments == 0 and not s.response_ids for s in batch.slots[16:]), \
+        "a waiting group was generated after the interrupt"
+    cut = [s for s in batch.slots[:16] if s.finish_reason is None]
     assert any(0 < len(s.response_ids) < budget for s in cut), [len(s.response_ids) for s in cut]
-    stream(batch, [engine.handle], long, version=0, epoch=22, max_num_seqs=4)
-    assert sorted([*finished, *take_groups(batch, timeout_s=300)]) == [0, 1, 2, 3] and batch.finished
+    stream(batch, [engine.handle], long, version=0, epoch=22, max_num_seqs=16)
+    assert sorted([*finished, *take_groups(batch, timeout_s=300)]) == list(range(12)) and batch.finished
     for slot in batch.slots:
         assert len(slot.response_ids) == budget or slot.finish_reason == "stop"
         scored = engine.prompt_logprobs([slot.prompt_ids + slot.response_ids])[0][len(slot.prompt_ids) - 1:]

@@ -185,13 +185,13 @@ class GroupServing:
         started = time.perf_counter()
         try:
             while not closed or running():
-                if (cut := interrupted()) is not None:
-                    yield from cut
-                    return
                 try:  # idle: wait for groups (or the close); else take whatever has arrived
                     arrived = intake.get(timeout=1.0) if not running() else intake.get_nowait()
                 except queue.Empty:
                     arrived = None
+                if (cut := interrupted()) is not None:  # groups that arrived with it are not taken in
+                    yield from cut
+                    return
                 if arrived is not None:
                     closed |= not arrived
                     for i, payload in arrived:

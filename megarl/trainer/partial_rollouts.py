@@ -41,6 +41,8 @@ class Slot:
         return SegmentRequest(self.prompt_ids + self.response_ids, max_tokens - len(self.response_ids), seed)
 
     def add(self, segment: RolloutSample, version: int) -> None:
+        if segment.finish_reason == "interrupted" and not segment.response_ids:
+            return  # cut before its first token: it drew nothing, its next segment keeps the seed
         self.response_ids += segment.response_ids
         self.logprobs += segment.logprobs
         self.versions += [version] * len(segment.response_ids)
