@@ -197,15 +197,9 @@ class VLLMEngine(GroupServing):
         from megarl.rollout.vllm_turns import VLLMTurns
 
         self._check_version(sampling)
-        if short := [r.max_tokens for r in requests if r.max_tokens <= 0]:  # before any request is added
-            raise ValueError(f"a segment needs max_tokens >= 1, got {short[0]}")
         started = time.perf_counter()
         turns = VLLMTurns(self.llm, None, sampling)
-        order = []
-        for request in requests:
-            self._segment_ids += 1
-            order.append(f"megarl-segment-{self._segment_ids}")
-            turns.add(order[-1], request.prompt_ids, request.max_tokens, request.seed)
+        order = self._add_segments(turns, requests)
         done: dict[str, tuple[FinishedTurn, str]] = {}
         try:
             while len(done) < len(order):
@@ -220,6 +214,21 @@ class VLLMEngine(GroupServing):
             self._generate_seconds += time.perf_counter() - started
         return [RolloutSample(list(request.prompt_ids), done[rid][0].token_ids, done[rid][0].logprobs, done[rid][1])
                 for request, rid in zip(requests, order, strict=True)]
+
+    def _add_segments(self, turns, requests: list[SegmentRequest | None]) -> list[str | None]:
+        """Adds each segment request to ``turns`` under a fresh id (None for a None request), all
+        checked before any is added."""
+        if short := [r.max_tokens for r in requests if r is not None and r.max_tokens <= 0]:
+            raise ValueError(f"a segment needs max_tokens >= 1, got {short[0]}")
+        ids: list[str | None] = []
+        for request in requests:
+            if request is None:
+                ids.append(None)
+                continue
+            self._segment_ids += 1
+            ids.append(f"megarl-segment-{self._segment_ids}")
+            turns.add(ids[-1], request.prompt_ids, request.max_tokens, request.seed)
+        return ids
 
     def generate_episodes(self, requests: list[EpisodeRequest], sampling: SamplingConfig, env: EnvConfig,
                           rewards: list[RewardTermConfig], limits: EpisodeLimits,

@@ -42,11 +42,8 @@ class GroupServing:
         ``EpisodeRequest``s), for streaming call ``stream`` (running, or about to start: the calls
         may arrive in either order); an empty list says no more will come. Answers at once, while
         the streaming call holds the engine's main thread."""
-        with self._intake_lock:
-            if stream in self._ended_streams:  # an interrupted stream: the caller hands them out again
-                return
-            intake = self._intakes.setdefault(stream, queue.SimpleQueue())
-        intake.put(prompts)
+        if (intake := self._intake(stream)) is not None:  # None: an interrupted stream; the caller resends them
+            intake.put(prompts)
 
     def serve_groups(self, stream: int, sampling: SamplingConfig) -> Iterator[tuple[int, list[RolloutSample]]]:
         """``rollout.granularity: group``: generates every prompt that ``add_groups`` sends for
@@ -105,15 +102,10 @@ class GroupServing:
         asked: dict[int, list[SegmentRequest | None]] = {}
 
         def admit(i: int, requests: list[SegmentRequest | None]) -> None:
-            if short := [r.max_tokens for r in requests if r is not None and r.max_tokens <= 0]:
-                raise ValueError(f"a segment needs max_tokens >= 1, got {short[0]}")
             asked[i], open_groups[i] = list(requests), [None] * len(requests)
-            for j, request in enumerate(requests):
-                if request is not None:
-                    self._segment_ids += 1
-                    where[f"megarl-segment-{self._segment_ids}"] = (i, j)
-                    turns.add(f"megarl-segment-{self._segment_ids}", request.prompt_ids, request.max_tokens,
-                              request.seed)
+            for j, request_id in enumerate(self._add_segments(turns, requests)):
+                if request_id is not None:
+                    where[request_id] = (i, j)
 
         def segments(ended: list, reason: Callable[[Any], str]) -> Iterator[tuple[int, list]]:
             for turn in ended:
@@ -219,6 +211,9 @@ class GroupServing:
                 s.routes = routes_of_samples(captured, s.prompt_ids, s.response_ids, s.response_mask)
 
     def _intake(self, stream: int):
+        """``stream``'s queue of arriving groups; None once the stream has ended."""
         with self._intake_lock:
+            if stream in self._ended_streams:
+                return None
             return self._intakes.setdefault(stream, queue.SimpleQueue())
 
