@@ -282,10 +282,13 @@ def test_opportunistic_episodes_continue_under_the_new_weights(policy, reward_ur
     from megarl.data.prompts import prompt_dataset
     from megarl.trainer.loop import train
 
-    # two batches ahead (k = 2): the engine's queue holds more than a step's training lasts, so
-    # the first sync surely finds episodes to interrupt (k = 1 leaves it to timing)
+    # two batches ahead (k = 2), and the engine decoding one sequence at a time (each answer is
+    # 96 tokens long: a batch's 8 take longer than a step's training), so every sync finds a
+    # sequence in the middle of its turn to cut (with several at once, or k = 1, the engine
+    # could finish before the sync, or hold only answers not started yet)
     cfg = _config([*grpo_overrides(policy, reward_url, tmp_path / "episodes", steps=3), *OPPORTUNISTIC,
-                   "trainer.max_staleness=2", "rollout.partial=continue", "env={kind: single_turn}"])
+                   "trainer.max_staleness=2", "rollout.partial=continue", "env={kind: single_turn}",
+                   "rollout.max_num_seqs=1"])
     history = train(cfg)
     dataset = prompt_dataset(cfg.data)
     assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(3)]

@@ -104,6 +104,7 @@ class VLLMEngine(GroupServing):
         # Interruptible generation: calls of epoch <= this stop at their next decoding step
         self._interrupted_through = -1
         self._segment_ids = 0
+        self._sampled_tokens = 0
         self._intakes: dict[int, Any] = {}  # serve_groups streams' prompt queues (rollout.granularity=group)
         self._intake_lock = threading.Lock()
         self._ended_streams: set[int] = set()  # streaming calls over (an interruption may end one early)
@@ -112,6 +113,12 @@ class VLLMEngine(GroupServing):
         """Records which policy version the weights just received are (a generation request
         names the version it expects)."""
         self.weight_version = version
+
+    @_watch_method
+    def sampled_tokens(self) -> int:
+        """Tokens sampled since start by the calls driven step by step (segments, episodes,
+        streamed groups): progress seen while such a call blocks."""
+        return self._sampled_tokens
 
     @_watch_method
     def busy_seconds(self) -> float:
@@ -194,11 +201,9 @@ class VLLMEngine(GroupServing):
         was sampled from the weights of this call). ``sampling``'s temperature, top-p/k and stop
         tokens apply; its n, max_tokens and seed are the requests'. Driven step by step (VLLMTurns), so an
         interruption costs one decoding step, not the rest of the longest sequence."""
-        from megarl.rollout.vllm_turns import VLLMTurns
-
         self._check_version(sampling)
         started = time.perf_counter()
-        turns = VLLMTurns(self.llm, None, sampling)
+        turns = self._turns(sampling, detokenize=False)
         order = self._add_segments(turns, requests)
         done: dict[str, tuple[FinishedTurn, str]] = {}
         try:
@@ -277,10 +282,15 @@ class VLLMEngine(GroupServing):
                 t.routes = routes_of_samples(captured, t.prompt_ids, t.response_ids, t.response_mask)
         return episodes
 
-    def _turns(self, sampling: SamplingConfig):
+    def _turns(self, sampling: SamplingConfig, detokenize: bool = True):
+        """vLLM driven step by step (``tokenizer`` only where turns are decoded to text), its
+        sampled tokens counted for ``sampled_tokens``."""
         from megarl.rollout.vllm_turns import VLLMTurns
 
-        return VLLMTurns(self.llm, self._tokenizer(), sampling)
+        def count(tokens: int) -> None:
+            self._sampled_tokens += tokens
+
+        return VLLMTurns(self.llm, self._tokenizer() if detokenize else None, sampling, on_sampled=count)
 
     def _episode_setup(self, env: EnvConfig, rewards: list[RewardTermConfig]):
         """The episode factory and the chat renderer of one environment config, built once."""

@@ -53,11 +53,9 @@ class GroupServing:
         so the caller can hand a prompt to whichever engine frees room first. Sample j of a prompt is
         a request of its own, seeded ``sampling.seed + j`` as vLLM seeds the j-th of ``generate``'s n
         samples: the samples are ``generate``'s, whichever engine draws them."""
-        from megarl.rollout.vllm_turns import VLLMTurns
-
         self._check_version(sampling)
         n = sampling.n
-        turns = VLLMTurns(self.llm, None, sampling)
+        turns = self._turns(sampling, detokenize=False)
         where: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
         request_ids: dict[int, list[str]] = {}  # prompt -> its samples' request ids
         open_groups: dict[int, list] = {}  # prompt index -> its samples so far
@@ -93,10 +91,8 @@ class GroupServing:
         ``interrupt`` reaches ``epoch`` every open group comes back at once, its unfinished samples
         with the tokens they have as "interrupted", and the call ends. A group sent but not yet
         taken in by then never comes back: the caller hands it out again."""
-        from megarl.rollout.vllm_turns import VLLMTurns
-
         self._check_version(sampling)
-        turns = VLLMTurns(self.llm, None, sampling)
+        turns = self._turns(sampling, detokenize=False)
         where: dict[str, tuple[int, int]] = {}  # request id -> (group, sample)
         open_groups: dict[int, list] = {}  # group index -> its samples' segments so far
         asked: dict[int, list[SegmentRequest | None]] = {}

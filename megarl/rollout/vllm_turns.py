@@ -7,6 +7,7 @@ vLLM through this too."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.episodes import FinishedTurn
@@ -14,9 +15,11 @@ from megarl.rollout.sampling import SamplingConfig
 
 
 class VLLMTurns:
-    def __init__(self, llm: Any, tokenizer: Any, sampling: SamplingConfig):
+    def __init__(self, llm: Any, tokenizer: Any, sampling: SamplingConfig,
+                 on_sampled: Callable[[int], None] | None = None):
         self.engine = llm.llm_engine
         self.tokenizer, self.sampling = tokenizer, sampling
+        self.on_sampled = on_sampled  # told each step's count of new tokens
         self._so_far: dict[str, tuple[list[int], list[float]]] = {}  # unfinished requests' tokens, log-probs
 
     def add(self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None) -> None:
@@ -39,6 +42,8 @@ class VLLMTurns:
             new = list(completion.token_ids)
             ids += new
             logprobs += [step[token].logprob for step, token in zip(completion.logprobs, new, strict=True)]
+            if self.on_sampled is not None:
+                self.on_sampled(len(new))
             if output.finished:
                 del self._so_far[output.request_id]
                 finished.append(FinishedTurn(output.request_id, ids, logprobs, completion.finish_reason == "stop"))
