@@ -210,6 +210,8 @@ CASES = [
          args=("trainer.critic_warmup=2",)),
     Case("staleness-colocated", "late", "trainer.max_staleness=1 needs rollout on its own resources",
          args=("trainer.max_staleness=1", "rollout.colocate_with=actor")),
+    Case("cpu-cores-unknown", "late", "trainer.cpu_cores='all' must be auto or bundle",
+         args=("trainer.cpu_cores=all",)),
     Case("schedule-unknown", "late", "trainer.schedule='eager' must be exact or opportunistic",
          args=("trainer.schedule=eager",)),
     Case("opportunistic-in-lockstep", "late", "trainer.schedule=opportunistic needs trainer.max_staleness >= 1",

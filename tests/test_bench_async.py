@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.bench.async_rollout import format_table, report, setting_summary
+from megarl.bench.async_rollout import SHARED, format_table, report, setting_summary
 from megarl.cli.main import main
 
 
@@ -32,12 +32,18 @@ def test_summary_by_hand():
 def test_report_puts_k1_over_k0():
     base = setting_summary([_step(1, 1.0, 1.0, 0), _step(2, 20.0, 10.0, 0, **{"eval/a/accuracy": 0.60})])
     ahead = setting_summary([_step(1, 1.0, 1.0, 0), _step(2, 32.0, 10.0, 1, **{"eval/a/accuracy": 0.57})])
-    result = report({0: base, 1: ahead})
+    shared = setting_summary([_step(1, 1.0, 1.0, 0), _step(2, 25.0, 8.0, 0, **{"eval/a/accuracy": 0.61})])
+    result = report({"0": base, "1": ahead, SHARED: shared})
     assert result["speedup"] == pytest.approx(1.6)
     assert result["accuracy_points_lost"] == pytest.approx(3.0)
-    assert result["heldout_accuracy"] == {"0": 0.60, "1": 0.57}
+    assert result["heldout_accuracy"] == {"0": 0.60, "1": 0.57, SHARED: 0.61}
+    # lockstep with both cores in each side's turn: 25 tokens/s in 8 s steps against k=1's 32 in 10 s
+    assert result["speedup_vs_shared_lockstep"] == pytest.approx(1.28)
+    assert result["step_time_ratio_vs_shared_lockstep"] == pytest.approx(0.8)
     table = format_table(result)
-    assert "speedup k=1 / k=0: 1.60x (measured/target 1.07)" in table and "3.0 points (limit 5)" in table
+    assert "speedup k=1 / k=0 (tokens/s, same cores): 1.60x (measured/target 1.07)" in table
+    assert "3.0 points (limit 5)" in table
+    assert "k=1 / lockstep on shared cores: 1.28x tokens/s, 0.80x step time" in table
 
 
 def test_refuses_bad_arguments_before_starting_anything(capsys):

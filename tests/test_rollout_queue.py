@@ -250,6 +250,7 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
     for i, episode in done.items():
         batch.episodes[i], batch.versions[i] = episode, 3 + i
     batch.homes[0] = batch.homes[3] = (1, "5.0")  # suspended on engine 1
+    batch.interruptions = 3  # episode 1 was cut once, the two suspended ones just now
     queue = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
     queue.batches[5] = batch
     queue.next_index = 6
@@ -260,7 +261,7 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
     assert got.episodes == [None, done[1], done[2], None] and got.versions == [-1, 4, 5, -1]
     assert [t.versions for t in got.episodes[1:3]] == [[4, 4, 5], [5]]
     assert got.requests == batch.requests and not got.finished and not got.in_flight
-    assert got.homes == [None] * 4
+    assert got.homes == [None] * 4 and got.interruptions == 3  # the step's metric counts cuts before the save
 
 
 def test_work_is_split_over_engines_in_contiguous_shares_that_keep_groups_whole():

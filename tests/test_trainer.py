@@ -272,26 +272,47 @@ def test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once(policy,
     assert any(f for f in spanning), spanning
 
 
-def test_opportunistic_episodes_continue_under_the_new_weights(policy, reward_url, tmp_path):
+def test_opportunistic_episodes_continue_and_resume_every_prompt_once(policy, reward_url, tmp_path):
     """Multi-turn episodes (``env.kind: single_turn``, scored by the run's reward in the engine)
     under trainer.schedule=opportunistic at k=2 with rollout.partial=continue: each weight sync
-    interrupts the batch generating ahead, and its unfinished episodes, suspended on their engine,
-    go on from where they stopped under the new weights (a cut turn's tokens spanning versions).
-    Every batch's prompts come in order, within the bound. (``regenerate``, which drops them to
-    start over, is tests/test_episodes.py's interrupt test: the engine's part is all that differs.)"""
+    interrupts the batches generating ahead, and their unfinished episodes, suspended on their
+    engine, go on from where they stopped under the new weights (a cut turn's tokens spanning
+    versions). kill -9 of vLLM's engine core while step 3 trains ends the run; resumed from step
+    2's checkpoint (the batches ahead keep their finished episodes, the unfinished ones start over
+    from their reset: environments' states are not checkpointed), the run trains on each prompt
+    of the first four batches once, in order, within the bound. (``regenerate``, which drops cut
+    episodes to start over, is tests/test_episodes.py's interrupt test: the engine's part is all
+    that differs.)"""
     from megarl.data.prompts import prompt_dataset
     from megarl.trainer.loop import train
 
-    # two batches ahead (k = 2), and the engine decoding one sequence at a time (each answer is
-    # 96 tokens long: a batch's 8 take longer than a step's training), so every sync finds a
-    # sequence in the middle of its turn to cut (with several at once, or k = 1, the engine
-    # could finish before the sync, or hold only answers not started yet)
-    cfg = _config([*grpo_overrides(policy, reward_url, tmp_path / "episodes", steps=3), *OPPORTUNISTIC,
-                   "trainer.max_staleness=2", "rollout.partial=continue", "env={kind: single_turn}",
-                   "rollout.max_num_seqs=1"])
-    history = train(cfg)
+    run_dir = tmp_path / "episodes"
+    marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
+    # two batches ahead (k = 2), and the engine decoding two sequences at a time (each answer is
+    # 96 tokens long: a batch's 8 take longer than a step's training), so every sync finds
+    # answers in the middle of their turn to cut (with all at once, or k = 1, the engine could
+    # finish before the sync, or hold only answers not started yet)
+    episodes = [*OPPORTUNISTIC, "trainer.max_staleness=2", "rollout.partial=continue", "env={kind: single_turn}",
+                "rollout.max_num_seqs=2", "eval.sets=[]"]
+    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *episodes],
+                  env=dict([marker.split("=")])) as proc:
+        _wait_for_phase(run_dir, proc, 3, "actor_update")
+        engines = json.loads((run_dir / "engines.json").read_text())
+        pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith("VLLM::EngineCore"))
+        output, took = _ended_by(proc, lambda: os.kill(pid, signal.SIGKILL))
+    assert proc.returncode == 1 and took < 60, (took, output[-3000:])
+    assert "rollout engine 0" in output and "VLLM::EngineCore" in output, output[-3000:]
+    deadline = time.monotonic() + 30
+    while (left := _marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"left running 30 s after the run ended: {left}"
+
+    cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *episodes])
+    train(cfg)
+    history = _read_metrics(run_dir)
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
     dataset = prompt_dataset(cfg.data)
-    assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(3)]
+    assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(4)]  # each once, in order
     assert all(0 <= h["rollout/staleness"] <= 2 for h in history)
     assert all(h["reward/env"] == h["reward/mean"] for h in history)  # the environment scored them
     interrupted = [h["rollout/interrupted_episodes"] for h in history]

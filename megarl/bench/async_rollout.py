@@ -3,11 +3,17 @@
 The same recipe (by default the embedded CPU demo, without its reference so that the actor and
 the rollout engine each have a core of the 2-core machine, and with truncated importance
 sampling as the off-policy correction) trains the same number of steps at
-each k, one run after the other in one command. Per setting: generated tokens per second and
-step time over the steps after the first (warm-up), each side's busy fraction (the engine's
-time in generate(), the actor's phases, over the step time), the mean staleness of the trained
-batches, the mismatch KL between the trainer's and the engine's log-probs, and the held-out
-accuracy the run's ``eval`` section measured after training (greedy, the demo's 256 questions).
+each k, one run after the other in one command. Every k runs on the same placement
+(``trainer.cpu_cores=bundle``: the engine computes on its core, the actor on its own, in
+lockstep too), so k = 1 over k = 0 is what running ahead buys on given resources. One more
+setting, "0 shared" (``--no-shared`` leaves it out), is lockstep with each side computing on
+both cores in its turn: the best lockstep can do on this machine, also reported against k = 1.
+
+Per setting: generated tokens per second and step time over the steps after the first
+(warm-up), each side's busy fraction (the engine's time in generate(), the actor's phases, over
+the step time), the mean staleness of the trained batches, the mismatch KL between the
+trainer's and the engine's log-probs, and the held-out accuracy the run's ``eval`` section
+measured after training (greedy, the demo's 256 questions).
 
 Targets: k = 1 at >= 1.5x the tokens/s of k = 0, with held-out accuracy within 5 points.
 """
@@ -30,7 +36,8 @@ ACCURACY_POINTS = 5.0
 # Truncated importance sampling weights the stale batches' tokens (at k = 0 its weights are ~1).
 # The weights before training are every setting's: evaluated once would do, so not at all here.
 DEFAULT_OVERRIDES = ["reference=null", "algorithm.kl_coef=0", "algorithm.off_policy_correction=tis",
-                     "eval.before_training=false"]
+                     "eval.before_training=false", "trainer.cpu_cores=bundle"]
+SHARED = "0 shared"  # lockstep, each side on all the cores in its turn (trainer.cpu_cores=auto)
 
 
 def setting_summary(history: list[dict[str, Any]], warmup: int = 1) -> dict[str, Any]:
@@ -60,17 +67,21 @@ def setting_summary(history: list[dict[str, Any]], warmup: int = 1) -> dict[str,
     }
 
 
-def report(settings: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Every setting side by side, with k = 1 over k = 0 as the headline."""
-    out: dict[str, Any] = {"settings": {str(k): v for k, v in settings.items()},
-                           "heldout_accuracy": {str(k): v["heldout_accuracy"] for k, v in settings.items()}}
-    if 0 in settings and 1 in settings:
-        base, ahead = settings[0], settings[1]
+def report(settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every setting (by its label: k, or ``SHARED``) side by side, with k = 1 over k = 0 on the
+    same cores as the headline, and k = 1 over lockstep on shared cores beside it."""
+    out: dict[str, Any] = {"settings": dict(settings),
+                           "heldout_accuracy": {k: v["heldout_accuracy"] for k, v in settings.items()}}
+    if "0" in settings and "1" in settings:
+        base, ahead = settings["0"], settings["1"]
         out["speedup"] = ahead["tokens_per_s"] / base["tokens_per_s"]
         out["speedup_target"] = SPEEDUP_TARGET
         if base["heldout_accuracy"] is not None and ahead["heldout_accuracy"] is not None:
             out["accuracy_points_lost"] = 100 * (base["heldout_accuracy"] - ahead["heldout_accuracy"])
             out["accuracy_points_limit"] = ACCURACY_POINTS
+    if SHARED in settings and "1" in settings:
+        out["speedup_vs_shared_lockstep"] = settings["1"]["tokens_per_s"] / settings[SHARED]["tokens_per_s"]
+        out["step_time_ratio_vs_shared_lockstep"] = settings[SHARED]["step_s"] / settings["1"]["step_s"]
     return out
 
 
@@ -83,8 +94,11 @@ def format_table(result: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
     if "speedup" in result:
-        lines.append(f"speedup k=1 / k=0: {result['speedup']:.2f}x (measured/target "
+        lines.append(f"speedup k=1 / k=0 (tokens/s, same cores): {result['speedup']:.2f}x (measured/target "
                      f"{result['speedup'] / SPEEDUP_TARGET:.2f})")
+    if "speedup_vs_shared_lockstep" in result:
+        lines.append(f"k=1 / lockstep on shared cores: {result['speedup_vs_shared_lockstep']:.2f}x tokens/s, "
+                     f"{result['step_time_ratio_vs_shared_lockstep']:.2f}x step time")
     if "accuracy_points_lost" in result:
         lines.append(f"held-out accuracy lost at k=1: {result['accuracy_points_lost']:.1f} points "
                      f"(limit {ACCURACY_POINTS:.0f})")
@@ -102,13 +116,16 @@ def run_async_cmd(args: argparse.Namespace) -> int:
     def schedule(k: int) -> list[str]:  # lockstep (k = 0) has one schedule
         return [f"trainer.schedule={args.schedule}"] if k > 0 else []
 
-    cfgs = {k: bench_config(args.recipe, [*overrides, f"trainer.max_staleness={k}", *schedule(k)], args.steps,
-                            out / f"k{k}")
+    cfgs = {str(k): bench_config(args.recipe, [*overrides, f"trainer.max_staleness={k}", *schedule(k)], args.steps,
+                                 out / f"k{k}")
             for k in args.staleness}
+    if args.shared and 0 in args.staleness:
+        cfgs[SHARED] = bench_config(args.recipe, [*overrides, "trainer.max_staleness=0", "trainer.cpu_cores=auto"],
+                                    args.steps, out / "k0-shared")
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     settings = {}
     for k, cfg in cfgs.items():
-        progress(f"megarl bench async: max_staleness={k}, {args.steps} steps -> {cfg.output_dir}")
+        progress(f"megarl bench async: setting {k}, {args.steps} steps -> {cfg.output_dir}")
         started = time.perf_counter()
         # with --json, stdout holds the JSON alone: the runs' step lines go to stderr
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
@@ -133,6 +150,9 @@ def add_parser(bs: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", choices=("exact", "opportunistic"), default="exact",
                    help="trainer.schedule of the settings with k >= 1 (default exact; opportunistic: the "
                         "weight sync interrupts generation ahead, samples continue under the new weights)")
+    p.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"also run lockstep with each side on all the cores in its turn (setting {SHARED!r}); "
+                        "default on")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per setting (default 12)")
     p.add_argument("--out", type=Path, default=None, help="run directories go here (default: a temporary one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -409,6 +409,11 @@ class TrainerConfig:
     # opportunistic: the sync interrupts generation instead of waiting (rollout.partial says what
     # happens to unfinished samples); a sample's tokens may span versions, the oldest within k.
     schedule: str = "exact"  # exact | opportunistic
+    # CPU only: the cores each rank and engine computes on. auto: in lockstep (max_staleness 0)
+    # all the node's, as one side computes while the other waits; ahead, each its bundle's CPUs
+    # (both compute at once). bundle: its bundle's CPUs always, the placement fixed whatever k
+    # (`megarl bench async` compares k = 0 and k = 1 so on the same cores).
+    cpu_cores: str = "auto"  # auto | bundle
     # PPO: the first N steps update the critic only, the actor waits. A critic started from a
     # reward model predicts the score of a finished answer at every token, not the value of a
     # partial one: its first advantages would push the actor around with that error.

@@ -132,6 +132,7 @@ class RolloutQueue:
                 entries.append({"index": index, "partial_episodes": True, "prompt_ids": rollout.prompt_ids,
                                 "group_size": rollout.group_size, "done": done,
                                 "versions": [rollout.versions[i] for i in done],
+                                "interruptions": rollout.interruptions,
                                 "episodes": [{"finish_reason": t.finish_reason, "info": t.info, "error": t.error}
                                              for t in finished]})
                 continue
@@ -177,6 +178,7 @@ class RolloutQueue:
                     continue
                 if entry.get("partial_episodes"):
                     batch = self.manager.episode_batch(index, entry["prompt_ids"], entry["group_size"])
+                    batch.interruptions = entry.get("interruptions", 0)  # absent: saved before it was kept
                     if entry["done"]:
                         reasons = [t["finish_reason"] for t in entry["episodes"]]
                         finished = _read_episodes(f, index, _read_samples(f, index, reasons), entry["episodes"])

@@ -159,8 +159,10 @@ class Run:
     def _cpu_threads(self, slot) -> int | None:
         """CPU threads of each rank or engine process. Lockstep (None): all the cores, as one
         side computes while the other waits. Rollout ahead: both compute at once, so each keeps
-        to the CPUs it was given, instead of twice the threads fighting over the same cores."""
-        if self.cfg.trainer.max_staleness == 0 or current_platform().is_gpu:
+        to the CPUs it was given, instead of twice the threads fighting over the same cores.
+        ``trainer.cpu_cores: bundle`` keeps to them in lockstep too."""
+        tr = self.cfg.trainer
+        if current_platform().is_gpu or (tr.max_staleness == 0 and tr.cpu_cores == "auto"):
             return None
         return max(1, int(slot.cpus_per_rank))
 

@@ -333,6 +333,8 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
             errors.append(f"data.source: reasoning-gym has no task {task!r}")
     elif not Path(data.source).is_file():
         errors.append(f"data.source: {data.source} does not exist")
+    if cfg.trainer.cpu_cores not in ("auto", "bundle"):
+        errors.append(f"trainer.cpu_cores={cfg.trainer.cpu_cores!r} must be auto or bundle")
     if cfg.trainer.verify_sync not in ("first", "every", "never"):
         errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
     if cfg.trainer.resume not in ("auto", "never"):
