@@ -220,10 +220,6 @@ CASES = [
          args=("rollout.partial=resume",)),
     Case("granularity-unknown", "late", "rollout.granularity='prompt' must be batch or group",
          args=("rollout.granularity=prompt",)),
-    Case("granularity-group-opportunistic-episodes", "late",
-         "rollout.granularity=group with trainer.schedule=opportunistic streams single-turn samples",
-         args=("rollout.granularity=group", "trainer.max_staleness=1", "trainer.schedule=opportunistic",
-               "env={kind: single_turn}")),
     # multi-turn episodes (env): every problem named by its field before any engine starts
     Case("env-unknown-kind", "range", "env.kind='game' must be one of single_turn, tools, remote",
          args=("env={kind: game}",)),

@@ -160,6 +160,72 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
         ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), 11), timeout=60)
 
 
+def _wait_for_tokens(engine, since: int, count: int) -> None:
+    """Until the engine has sampled ``count`` tokens after its count stood at ``since``."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + 120
+    while ray.get(engine.sampled_tokens.remote(), timeout=60) - since < count:
+        assert time.monotonic() < deadline, f"the engine sampled no {count} tokens in 120 s"
+        time.sleep(0.02)
+
+
+def test_streamed_episode_groups_are_cut_by_an_interrupt_and_go_on_where_they_wait(engine, hf_model, tokenizer):
+    """rollout.granularity=group with episodes under the opportunistic schedule
+    (``serve_episode_groups`` with an epoch): ``interrupt`` ends the stream at the next round, each
+    open group coming back at once with its finished episodes and None for the others. With
+    ``suspend`` those wait on the engine under the stream's name, and ``continue_episodes``
+    finishes them under the next weight version, in the order they were sent (a cut turn's tokens
+    span both versions; transformers on the whole trajectory reproduces every policy token's
+    log-prob). Without it they are dropped: nothing waits."""
+    import ray
+
+    from megarl.rollout.episodes import suspended_name
+    from megarl.rollout.group_streams import groups_as_they_finish, open_episode_group_streams
+
+    requests, sampling, cfg = _interruptible_requests()
+    groups = [(g, requests[2 * g:2 * g + 2]) for g in range(6)]
+    cfg.env.max_concurrent_episodes = 8  # four groups run, two wait
+    at_v0 = replace(sampling, weight_version=0)
+
+    def cut_short(epoch: int, suspend: bool):
+        before = ray.get(engine.sampled_tokens.remote(), timeout=60)
+        streams = open_episode_group_streams([engine], groups, at_v0, cfg, epoch, suspend)
+        _wait_for_tokens(engine, before, 8 * 10)  # the eight episodes ~10 steps in
+        ray.get(engine.interrupt.remote(epoch), timeout=60)
+        got = dict(groups_as_they_finish(streams, timeout_s=300))
+        assert all(len(got[g]) == 2 for g in got)
+        assert all(t.finish_reason in ("done", "length", "turns", "env_error") and set(t.versions) == {0}
+                   for g in got for t in got[g] if t is not None)
+        return streams, got
+
+    streams, got = cut_short(20, suspend=False)
+    assert any(t is None for g in got for t in got[g])
+    with pytest.raises(ray.exceptions.RayTaskError, match="no episodes suspended"):  # dropped
+        ray.get(engine.continue_episodes.remote(suspended_name(streams.streams[0]), replace(sampling, n=1), 21),
+                timeout=60)
+
+    streams, got = cut_short(22, suspend=True)
+    cut = [(g, i) for g in sorted(got) for i, t in enumerate(got[g]) if t is None]  # in the order sent
+    assert cut, "the interrupt cut no episode"
+    ray.get(engine.set_weight_version.remote(1), timeout=60)  # as a weight sync leaves it
+    try:
+        rest = ray.get(engine.continue_episodes.remote(suspended_name(streams.streams[0]),
+                                                       replace(sampling, n=1, weight_version=1), 23), timeout=300)
+    finally:
+        ray.get(engine.set_weight_version.remote(0), timeout=60)
+    assert len(rest) == len(cut) and all(t is not None for t in rest)
+    for (g, i), t in zip(cut, rest, strict=True):
+        assert requests[2 * g + i].item.prompt in tokenizer.decode(t.prompt_ids)  # the episode waiting there
+        _assert_token_exact(t)
+        assert t.versions == sorted(t.versions) and set(t.versions) <= {0, 1}
+    spanning = [t for t in rest if set(t.versions) == {0, 1}]
+    assert spanning, [sorted(set(t.versions)) for t in rest]
+    assert _worst_logprob_gap(hf_model, spanning[:3]) < 1e-3
+
+
 def test_a_trajectory_is_the_prompt_then_each_turn_as_generated_then_each_observation(episodes, tokenizer):
     multi = [t for t in episodes if len(t.turns) > 1]
     assert multi, "no episode called the calculator: the prelude should make some do"

@@ -277,10 +277,12 @@ def test_opportunistic_episodes_continue_and_resume_every_prompt_once(policy, re
     under trainer.schedule=opportunistic at k=2 with rollout.partial=continue: each weight sync
     interrupts the batches generating ahead, and their unfinished episodes, suspended on their
     engine, go on from where they stopped under the new weights (a cut turn's tokens spanning
-    versions). kill -9 of vLLM's engine core while step 3 trains ends the run; resumed from step
-    2's checkpoint (the batches ahead keep their finished episodes, the unfinished ones start over
-    from their reset: environments' states are not checkpointed), the run trains on each prompt
-    of the first four batches once, in order, within the bound. (``regenerate``, which drops cut
+    versions). The first run streams groups (rollout.granularity=group: an interrupted group's
+    unfinished episodes wait on the engine that ran them, the groups never sent stream again);
+    kill -9 of vLLM's engine core while step 3 trains ends it. Resumed from step 2's checkpoint
+    with whole batches per call (the batches ahead keep their finished episodes, the unfinished
+    ones start over from their reset: environments' states are not checkpointed), the run trains
+    on each prompt of the first four batches once, in order, within the bound. (``regenerate``, which drops cut
     episodes to start over, is tests/test_episodes.py's interrupt test: the engine's part is all
     that differs.)"""
     from megarl.data.prompts import prompt_dataset
@@ -294,8 +296,8 @@ def test_opportunistic_episodes_continue_and_resume_every_prompt_once(policy, re
     # finish before the sync, or hold only answers not started yet)
     episodes = [*OPPORTUNISTIC, "trainer.max_staleness=2", "rollout.partial=continue", "env={kind: single_turn}",
                 "rollout.max_num_seqs=2", "eval.sets=[]"]
-    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *episodes],
-                  env=dict([marker.split("=")])) as proc:
+    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *episodes, "rollout.granularity=group",
+                   "env.max_concurrent_episodes=4"], env=dict([marker.split("=")])) as proc:
         _wait_for_phase(run_dir, proc, 3, "actor_update")
         engines = json.loads((run_dir / "engines.json").read_text())
         pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith("VLLM::EngineCore"))

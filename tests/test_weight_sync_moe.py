@@ -321,7 +321,9 @@ def test_multi_turn_episodes_carry_every_tokens_routes(ray_session, smollm2, tmp
         episodes = [t for part in ray.get(submit_episodes([engine], items, sampling, cfg), timeout=300) for t in part]
         # the same episodes streamed a group at a time (rollout.granularity=group), two groups running at once
         cfg.env.max_concurrent_episodes = 4
-        streams = open_episode_group_streams([engine], episode_requests(items, sampling, cfg), sampling, cfg)
+        requests = episode_requests(items, sampling, cfg)
+        streams = open_episode_group_streams([engine], [(g, requests[2 * g:2 * g + 2]) for g in range(len(items))],
+                                             sampling, cfg)
         streamed = dict(groups_as_they_finish(streams, timeout_s=300))
     finally:
         service.close()

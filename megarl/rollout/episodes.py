@@ -162,6 +162,12 @@ class EventLoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
 
+def suspended_name(stream: int) -> str:
+    """The name under which the episodes an interruption suspended in group-streaming call
+    ``stream`` wait on its engine (``VLLMEngine.continue_episodes``)."""
+    return f"stream.{stream}"
+
+
 class EpisodeRunner:
     """Runs one batch of episode requests on a backend. ``version`` is recorded with every
     response token (the weight version the engine holds; see ``Trajectory.versions``)."""
@@ -237,6 +243,22 @@ class EpisodeRunner:
         taken = set(indices)
         p.owed = [i for i in p.owed if i not in taken]
         return [p.done.pop(i) for i in indices]
+
+    def take_finished(self, indices: list[int]) -> list[Trajectory | None]:
+        """These episodes as they stand: the finished ones (then forgotten), None for the others."""
+        p = self._p
+        taken = [p.done.pop(i, None) for i in indices]
+        gone = {i for i, t in zip(indices, taken, strict=True) if t is not None}
+        p.owed = [i for i in p.owed if i not in gone]
+        return taken
+
+    def interrupt(self, suspend: bool) -> None:
+        """Stops the unfinished episodes where they are: dropped, or with ``suspend`` kept for
+        ``resume`` (which answers them in the order they were added)."""
+        if suspend:
+            self._suspend()
+        else:
+            self._drop()
 
     def advance(self) -> None:
         """One round: a decoding step (or a short wait on the environments), then what the

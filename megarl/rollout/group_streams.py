@@ -38,6 +38,7 @@ class GroupStreams:
     # (index in the batch, what the engine's call takes: prompt ids, episode or segment requests)
     waiting: deque = field(default_factory=deque)
     closed: bool = False
+    came_from: dict[int, int] = field(default_factory=dict)  # group index -> position of the engine that sent it
 
 
 def open_group_streams(engines: list, prompts: list[list[int]], sampling: SamplingConfig,
@@ -63,21 +64,25 @@ def open_segment_group_streams(engines: list, groups: list[tuple[int, list[Segme
     return _open(engines, groups, max(1, max_num_seqs // group_size), serve)
 
 
-def open_episode_group_streams(engines: list, requests: list[EpisodeRequest], sampling: SamplingConfig,
-                               cfg: RunConfig) -> GroupStreams:
-    """The same for multi-turn episodes (``cfg.env``): ``requests`` a group's ``sampling.n`` side by
-    side; each engine first gets the groups its ``env.max_concurrent_episodes`` hold."""
+def open_episode_group_streams(engines: list, groups: list[tuple[int, list[EpisodeRequest | None]]],
+                               sampling: SamplingConfig, cfg: RunConfig, epoch: int | None = None,
+                               suspend: bool = False) -> GroupStreams:
+    """The same for multi-turn episodes (``cfg.env``): each group as (its index in the batch, an
+    ``EpisodeRequest`` or None per episode, None for one finished already); each engine first gets
+    the groups its ``env.max_concurrent_episodes`` hold. With ``epoch`` (the opportunistic
+    schedule), ``interrupt`` of it ends every stream, the groups it cut short coming back with
+    their finished episodes and None for the others, dropped or (``suspend``) kept on that
+    engine (``VLLMEngine.serve_episode_groups``)."""
     from megarl.rollout.remote import episode_limits
 
     n = max(1, sampling.n)
-    groups = [requests[i:i + n] for i in range(0, len(requests), n)]
     one, limits = replace(sampling, n=1), episode_limits(cfg)
 
     def serve(engine, stream: int):
         return engine.serve_episode_groups.options(num_returns="streaming").remote(stream, one, cfg.env, cfg.rewards,
-                                                                                   limits)
+                                                                                   limits, epoch, suspend)
 
-    return _open(engines, list(enumerate(groups)), max(1, cfg.env.max_concurrent_episodes // n), serve)
+    return _open(engines, groups, max(1, cfg.env.max_concurrent_episodes // n), serve)
 
 
 def _open(engines: list, groups: list[tuple[int, Any]], per_engine: int, serve: Callable[[Any, int], Any]
@@ -119,6 +124,7 @@ def groups_as_they_finish(batch: GroupStreams, timeout_s: float) -> Iterator[tup
             if batch.waiting:  # the engine that finished a group has room for the next
                 batch.engines[e].add_groups.remote(batch.streams[e], [batch.waiting.popleft()])
                 _close_if_done(batch)
+            batch.came_from[index] = e
             yield index, samples
         if live and time.monotonic() >= deadline:
             raise TimeoutError(f"generation did not finish within {timeout_s:.0f} s")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from megarl.config.schema import EnvConfig, RewardTermConfig
-from megarl.rollout.episodes import EpisodeLimits, Trajectory
+from megarl.rollout.episodes import EpisodeLimits, Trajectory, suspended_name
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.rollout.vllm_routes import routes_of_samples
 
@@ -124,39 +124,66 @@ class GroupServing:
         yield from self._serve(stream, admit, finished, lambda: bool(open_groups), turns.abort, interrupted)
 
     def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: EnvConfig,
-                             rewards: list[RewardTermConfig], limits: EpisodeLimits
-                             ) -> Iterator[tuple[int, list[Trajectory]]]:
+                             rewards: list[RewardTermConfig], limits: EpisodeLimits, epoch: int | None = None,
+                             suspend: bool = False) -> Iterator[tuple[int, list[Trajectory | None]]]:
         """``rollout.granularity: group`` with multi-turn episodes: ``serve_groups`` for episodes.
-        ``add_groups`` sends (index, the group's ``EpisodeRequest``s); each group's episodes come
-        back as ``(index, trajectories)`` once its last one finishes, while the episodes of groups
-        sent later join the running ones at the next round (``EpisodeRunner.advance``)."""
+        ``add_groups`` sends (index, an ``EpisodeRequest`` or None per episode of the group: None for
+        one finished already); each group comes back as ``(index, a trajectory or None per
+        episode)`` once its last requested episode finishes, while the episodes of groups sent later
+        join the running ones at the next round (``EpisodeRunner.advance``). With ``epoch`` (the
+        opportunistic schedule), ``interrupt`` of it ends the call at the next round: every open
+        group comes back at once, its finished episodes whole and None for the others, which are
+        dropped, or with ``suspend`` kept here as ``suspended_name(stream)`` for ``continue_episodes``
+        (in the order they were sent). A group sent but not taken in by then never comes back."""
         from megarl.rollout.episodes import EpisodeRunner, turn_request_id
 
         self._check_version(sampling)
         make_env, renderer = self._episode_setup(env, rewards)
         runner = EpisodeRunner(self._turns(sampling), renderer, make_env, limits, self._env_loop(),
                                version=self.weight_version)
-        open_groups: dict[int, list[int]] = {}  # group index -> its episodes' indices in the runner
+        open_groups: dict[int, list[int | None]] = {}  # group index -> its episodes' indices in the runner
+        kept = False
 
         def admit(i: int, requests: list) -> None:
-            open_groups[i] = runner.add(requests)
+            indices = iter(runner.add([r for r in requests if r is not None]))
+            open_groups[i] = [None if r is None else next(indices) for r in requests]
 
-        def finished() -> Iterator[tuple[int, list[Trajectory]]]:
+        def answered(indices: list[int | None], episodes: list[Trajectory | None]) -> list[Trajectory | None]:
+            got = iter(episodes)
+            answers = [None if e is None else next(got) for e in indices]
+            # an episode's last turn ran every token before its last one
+            done = [(e, t) for e, t in zip(indices, answers, strict=True) if t is not None]
+            self._attach_routes([turn_request_id(e, turn) for e, t in done for turn in range(len(t.turns))],
+                                [t for _, t in done])
+            return answers
+
+        def finished() -> Iterator[tuple[int, list[Trajectory | None]]]:
             runner.advance()
             for i in list(open_groups):
-                if (episodes := runner.take(open_groups[i])) is None:
-                    continue
-                indices = open_groups.pop(i)
-                # an episode's last turn ran every token before its last one
-                self._attach_routes([turn_request_id(e, turn) for e, t in zip(indices, episodes, strict=True)
-                                     for turn in range(len(t.turns))], episodes)
-                yield i, episodes
+                asked = [e for e in open_groups[i] if e is not None]
+                if (episodes := runner.take(asked)) is not None:
+                    yield i, answered(open_groups.pop(i), episodes)
+
+        def interrupted() -> Iterator[tuple[int, list[Trajectory | None]]] | None:
+            nonlocal kept
+            if epoch is None or self._interrupted_through < epoch:
+                return None
+            if not open_groups:  # idle: nothing to cut
+                return (group for group in ())  # a generator: Ray's streaming call sends into it
+            cut = [(i, answered(indices, runner.take_finished([e for e in indices if e is not None])))
+                   for i, indices in open_groups.items()]
+            open_groups.clear()
+            runner.interrupt(suspend)
+            if suspend and runner.suspended:
+                self._suspended[suspended_name(stream)], kept = runner, True
+            return (group for group in cut)
 
         def stop() -> None:
-            runner.backend.abort()
-            runner.close()
+            if not kept:
+                runner.backend.abort()
+                runner.close()
 
-        yield from self._serve(stream, admit, finished, lambda: bool(open_groups), stop)
+        yield from self._serve(stream, admit, finished, lambda: bool(open_groups), stop, interrupted)
 
     def _serve(self, stream: int, admit: Callable[[int, Any], None], finished: Callable[[], Iterator[tuple]],
                running: Callable[[], bool], stop: Callable[[], None],

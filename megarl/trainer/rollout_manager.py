@@ -127,8 +127,9 @@ class RolloutManager:
         pending = PendingRollout(index, version, ids, calls=[])
         by_group = self.cfg.rollout.granularity == "group"
         if by_group and self.cfg.env is not None:
-            requests = self._episode_requests(ids, sampling)
-            pending.group_streams = open_episode_group_streams(self.engines, requests, sampling, self.cfg)
+            requests, n = self._episode_requests(ids, sampling), sampling.n
+            groups = [(g, requests[g * n:(g + 1) * n]) for g in range(len(ids))]
+            pending.group_streams = open_episode_group_streams(self.engines, groups, sampling, self.cfg)
         elif by_group:
             pending.group_streams = open_group_streams(self.engines, self._tokenize(items), sampling,
                                                        self.cfg.rollout.max_num_seqs)
@@ -147,7 +148,7 @@ class RolloutManager:
         sampling = self._sampling(index, version)
         if self.cfg.env is not None:
             batch = partial_episodes.new_batch(index, ids, self._episode_requests(ids, sampling), sampling.n)
-            partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
+            self._submit_episodes(batch, sampling, version, epoch)
             return batch
         prompts = self._tokenize([self.dataset.items[i] for i in ids])
         batch = partial_rollouts.new_batch(index, ids, prompts, sampling.n, sampling.seed)
@@ -159,9 +160,18 @@ class RolloutManager:
         (``rollout.partial: continue``) or from scratch (``regenerate``)."""
         sampling = self._sampling(batch.index, version)
         if isinstance(batch, PartialEpisodes):
-            partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
+            self._submit_episodes(batch, sampling, version, epoch)
         else:
             self._submit_samples(batch, sampling, version, epoch, regenerate=self.cfg.rollout.partial == "regenerate")
+
+    def _submit_episodes(self, batch: PartialEpisodes, sampling: SamplingConfig, version: int, epoch: int) -> None:
+        if not self._streams_groups:
+            partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
+            return
+        partial_episodes.stream(batch, self.engines, sampling, self.cfg, version, epoch)
+        # the environments scored each episode: taking the groups in is all that is left to do
+        batch.taking = self._group_takers.submit(
+            lambda: list(partial_episodes.take_groups(batch, self.cfg.trainer.step_timeout_s)))
 
     def _submit_samples(self, batch: PartialRollout, sampling: SamplingConfig, version: int, epoch: int,
                         regenerate: bool = False) -> None:
@@ -182,7 +192,7 @@ class RolloutManager:
 
     def collect_partial(self, batch: PartialRollout | PartialEpisodes) -> None:
         """Waits for a partial batch's generation in flight (all of it, or up to an interruption)."""
-        if isinstance(batch, PartialRollout) and batch.taking is not None:
+        if batch.taking is not None:
             taking, batch.taking = batch.taking, None
             taking.result()  # take_groups waits at most trainer.step_timeout_s
             return

@@ -354,7 +354,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
 
 def schedule_errors(cfg: RunConfig) -> list[str]:
     """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
-    something to overlap; its interruptible groups stream single-turn samples only."""
+    something to overlap."""
     tr, errors = cfg.trainer, []
     if tr.schedule not in ("exact", "opportunistic"):
         errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
@@ -366,9 +366,6 @@ def schedule_errors(cfg: RunConfig) -> list[str]:
     granularity = cfg.rollout.granularity
     if granularity not in ("batch", "group"):
         errors.append(f"rollout.granularity={granularity!r} must be batch or group")
-    elif granularity == "group" and tr.schedule == "opportunistic" and cfg.env is not None:
-        errors.append("rollout.granularity=group with trainer.schedule=opportunistic streams single-turn samples; "
-                      "multi-turn episodes (env) under the opportunistic schedule use rollout.granularity=batch")
     return errors
 
 
