@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.bench.async_rollout import SHARED, format_table, report, setting_summary
+from megarl.bench.async_rollout import SHARED, format_table, over_seeds, report, setting_summary
 from megarl.cli.main import main
 
 
@@ -46,7 +46,17 @@ def test_report_puts_k1_over_k0():
     assert "k=1 / lockstep on shared cores: 1.28x tokens/s, 0.80x step time" in table
 
 
+def test_seeds_are_averaged_and_each_accuracy_kept():
+    runs = [setting_summary([_step(1, 1.0, 1.0, 0), _step(2, tokens, 10.0, 1, **{"eval/a/accuracy": acc})])
+            for tokens, acc in ((30.0, 0.5), (40.0, 0.6))]
+    s = over_seeds(runs)
+    assert s["tokens_per_s"] == pytest.approx(35.0) and s["heldout_accuracy"] == pytest.approx(0.55)
+    assert s["heldout_accuracy_per_seed"] == [0.5, 0.6] and s["tokens_per_s_per_seed"] == [30.0, 40.0]
+    assert over_seeds(runs[:1]) == runs[0]  # one run: its own figures
+    assert "k=1: held-out accuracy per seed 50.0%, 60.0%" in format_table(report({"1": s}))
+
+
 def test_refuses_bad_arguments_before_starting_anything(capsys):
-    assert main(["bench", "async", "--staleness", "0,-1", "--steps", "0"]) == 2
+    assert main(["bench", "async", "--staleness", "0,-1", "--steps", "0", "--seeds", "1,-2"]) == 2
     err = capsys.readouterr().err
-    assert "--staleness=-1 must be >= 0" in err and "--steps=0 must be >= 1" in err
+    assert "--staleness=-1 must be >= 0" in err and "--steps=0 must be >= 1" in err and "--seeds=-2 must be >= 0" in err

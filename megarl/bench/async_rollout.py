@@ -67,6 +67,21 @@ def setting_summary(history: list[dict[str, Any]], warmup: int = 1) -> dict[str,
     }
 
 
+def over_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setting's figures over its runs (one per seed): each number's mean, and each run's
+    held-out accuracy and tokens/s (one training run's accuracy moves by several points with its seed)."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out: dict[str, Any] = {}
+    for key, value in summaries[0].items():
+        values = [s[key] for s in summaries]
+        out[key] = (None if any(v is None for v in values) else statistics.fmean(values)
+                    ) if isinstance(value, int | float) or value is None else value
+    out["heldout_accuracy_per_seed"] = [s["heldout_accuracy"] for s in summaries]
+    out["tokens_per_s_per_seed"] = [s["tokens_per_s"] for s in summaries]
+    return out
+
+
 def report(settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Every setting (by its label: k, or ``SHARED``) side by side, with k = 1 over k = 0 on the
     same cores as the headline, and k = 1 over lockstep on shared cores beside it."""
@@ -93,6 +108,10 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{s['actor_busy_fraction']:.2f}", f"{s['mean_staleness']:.2f}", f"{s['mismatch_kl']:.4f}", acc))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    for k, s in result["settings"].items():
+        if "heldout_accuracy_per_seed" in s:
+            accuracies = ", ".join("-" if a is None else f"{100 * a:.1f}%" for a in s["heldout_accuracy_per_seed"])
+            lines.append(f"k={k}: held-out accuracy per seed {accuracies}")
     if "speedup" in result:
         lines.append(f"speedup k=1 / k=0 (tokens/s, same cores): {result['speedup']:.2f}x (measured/target "
                      f"{result['speedup'] / SPEEDUP_TARGET:.2f})")
@@ -116,16 +135,23 @@ def run_async_cmd(args: argparse.Namespace) -> int:
     def schedule(k: int) -> list[str]:  # lockstep (k = 0) has one schedule
         return [f"trainer.schedule={args.schedule}"] if k > 0 else []
 
-    cfgs = {str(k): bench_config(args.recipe, [*overrides, f"trainer.max_staleness={k}", *schedule(k)], args.steps,
-                                 out / f"k{k}")
-            for k in args.staleness}
+    settings_overrides = {str(k): [f"trainer.max_staleness={k}", *schedule(k)] for k in args.staleness}
     if args.shared and 0 in args.staleness:
-        cfgs[SHARED] = bench_config(args.recipe, [*overrides, "trainer.max_staleness=0", "trainer.cpu_cores=auto"],
-                                    args.steps, out / "k0-shared")
+        settings_overrides[SHARED] = ["trainer.max_staleness=0", "trainer.cpu_cores=auto"]
+    seeds = args.seeds or [None]  # None: the recipe's own seed
+
+    def run_dir(label: str, seed: int | None) -> Path:
+        name = "k0-shared" if label == SHARED else f"k{label}"
+        return out / name if seed is None else out / f"seed{seed}" / name
+
+    cfgs = {(label, seed): bench_config(args.recipe, [*overrides, *more, *([] if seed is None else [f"seed={seed}"])],
+                                        args.steps, run_dir(label, seed))
+            for seed in seeds for label, more in settings_overrides.items()}
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    settings = {}
-    for k, cfg in cfgs.items():
-        progress(f"megarl bench async: setting {k}, {args.steps} steps -> {cfg.output_dir}")
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in settings_overrides}
+    for (label, seed), cfg in cfgs.items():
+        progress(f"megarl bench async: setting {label}{'' if seed is None else f', seed {seed}'}, "
+                 f"{args.steps} steps -> {cfg.output_dir}")
         started = time.perf_counter()
         # with --json, stdout holds the JSON alone: the runs' step lines go to stderr
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
@@ -133,8 +159,8 @@ def run_async_cmd(args: argparse.Namespace) -> int:
                 history = train(cfg)
             finally:
                 shutdown_ray()  # the next setting starts on free cores
-        settings[k] = setting_summary(history) | {"wall_s": time.perf_counter() - started}
-    result = report(settings)
+        runs[label].append(setting_summary(history) | {"wall_s": time.perf_counter() - started})
+    result = report({label: over_seeds(summaries) for label, summaries in runs.items()})
     print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
     return 0
 
@@ -154,6 +180,9 @@ def add_parser(bs: argparse._SubParsersAction) -> None:
                    help=f"also run lockstep with each side on all the cores in its turn (setting {SHARED!r}); "
                         "default on")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per setting (default 12)")
+    p.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                   help="run every setting once per seed (comma-separated) and report the means, with each "
+                        "seed's held-out accuracy (default: the recipe's seed, one run per setting)")
     p.add_argument("--out", type=Path, default=None, help="run directories go here (default: a temporary one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_async_cmd)

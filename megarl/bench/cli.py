@@ -75,7 +75,7 @@ _AT_LEAST = {"train_tp": 1, "train_pp": 1, "train_ep": 1, "train_etp": 1, "rollo
              "rounds": 1, "threads": 1, "batch": 1, "seq": 1, "hidden": 1, "layers": 1, "heads": 1, "ffn": 1,
              "vocab": 1, "seq_len": 1,
              "micro_batch": 1, "global_batch": 1, "vocab_pad_multiple": 1, "ranks": 1, "tp": 1, "warmup": 0,
-             "staleness": 0, "prompts": 1}
+             "staleness": 0, "prompts": 1, "seeds": 0}
 _POSITIVE = ("bucket_mb", "tolerance")
 
 
