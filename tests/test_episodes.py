@@ -120,7 +120,6 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
     the weight version has moved on, ``continue_episodes`` finishes them. Each token records its
     version (a cut turn holds both), and transformers on the whole trajectory reproduces every
     policy token's log-prob: each continuation ran on exactly the tokens before it."""
-    import time
 
     import ray
 
@@ -129,8 +128,9 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
     requests, sampling, cfg = _interruptible_requests()
 
     def interrupted(epoch: int, keep: str | None = None) -> list:
+        before = ray.get(engine.sampled_tokens.remote(), timeout=60)
         call = submit_episode_requests(engine, requests, replace(sampling, weight_version=0), cfg, epoch, keep)
-        time.sleep(2.0)
+        _wait_for_tokens(engine, before, 12 * 10)  # the twelve episodes ~10 steps in
         ray.get(engine.interrupt.remote(epoch), timeout=60)
         out = ray.get(call, timeout=300)
         assert len(out) == len(requests) and any(t is None for t in out), [t and t.finish_reason for t in out]

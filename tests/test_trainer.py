@@ -225,25 +225,18 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
                                                                      "response_length.png", "reward.png"]
 
 
-def test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once(policy, reward_url, tmp_path):
-    """trainer.schedule=opportunistic at k=2: each weight sync interrupts the batches generating
-    ahead instead of waiting for them, and their samples continue under the new weights (each
-    token keeping its version). The first run streams groups (rollout.granularity=group, one group
-    at a time on the engine, handed the next as one finishes); kill -9 of vLLM's engine core while
-    step 3 trains ends it within 60 s naming the engine, its process and the phase, and leaves no
-    process behind. Resumed from step 2's checkpoint (which holds batches 3 and 4 as far as they
-    got) with whole batches per call (rollout.granularity=batch), the run trains on each prompt of
-    the first four batches once, in order, every batch within the bound, and some samples span two
-    versions (two batches ahead: the engine's queue holds more than a step's training lasts, so
-    the first sync surely finds groups to interrupt)."""
+def _killed_in_step_3_then_resumed(policy: Path, reward_url: str, run_dir: Path, overrides: list[str],
+                                   killed_only: list[str]) -> tuple[list[dict], list[list[int]]]:
+    """`megarl train` with ``overrides`` and ``killed_only``, its vLLM engine core SIGKILLed while
+    step 3 trains: the run ends within 60 s naming the engine, its process and the phase, and
+    leaves no process. Then the run resumed in this process with ``overrides`` alone, to step 4:
+    the metrics of steps 1-4, and the prompt ids of the dataset's first four batches."""
     from megarl.data.prompts import prompt_dataset
     from megarl.trainer.loop import train
 
-    run_dir = tmp_path / "opportunistic"
     marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
-    two_ahead = [*OPPORTUNISTIC, "trainer.max_staleness=2"]
-    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *two_ahead, "rollout.granularity=group",
-                   "rollout.max_num_seqs=4"], env=dict([marker.split("=")])) as proc:
+    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *overrides, *killed_only],
+                  env=dict([marker.split("=")])) as proc:
         _wait_for_phase(run_dir, proc, 3, "actor_update")
         engines = json.loads((run_dir / "engines.json").read_text())
         pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith("VLLM::EngineCore"))
@@ -258,12 +251,30 @@ def test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once(policy,
         time.sleep(1)
     assert not left, f"left running 30 s after the run ended: {left}"
 
-    cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *two_ahead])
+    cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *overrides])
     train(cfg)
     history = _read_metrics(run_dir)
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     dataset = prompt_dataset(cfg.data)
-    expected = [dataset.next_ids() for _ in range(4)]
+    return history, [dataset.next_ids() for _ in range(4)]
+
+
+def test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once(policy, reward_url, tmp_path):
+    """trainer.schedule=opportunistic at k=2: each weight sync interrupts the batches generating
+    ahead instead of waiting for them, and their samples continue under the new weights (each
+    token keeping its version). The first run streams groups (rollout.granularity=group, one group
+    at a time on the engine, handed the next as one finishes); kill -9 of vLLM's engine core while
+    step 3 trains ends it within 60 s naming the engine, its process and the phase, and leaves no
+    process behind. Resumed from step 2's checkpoint (which holds batches 3 and 4 as far as they
+    got) with whole batches per call (rollout.granularity=batch), the run trains on each prompt of
+    the first four batches once, in order, every batch within the bound, and some samples span two
+    versions (two batches ahead: the engine's queue holds more than a step's training lasts, so
+    the first sync surely finds groups to interrupt)."""
+
+    run_dir = tmp_path / "opportunistic"
+    two_ahead = [*OPPORTUNISTIC, "trainer.max_staleness=2"]
+    history, expected = _killed_in_step_3_then_resumed(policy, reward_url, run_dir, two_ahead,
+                                                       ["rollout.granularity=group", "rollout.max_num_seqs=4"])
     assert [h["data/prompt_ids"] for h in history] == expected  # none skipped, none twice, in order
     assert all(0 <= h["rollout/staleness"] <= 2 for h in history)
     assert all(0 <= h["rollout/token_staleness_mean"] <= 2 for h in history[1:])
@@ -285,36 +296,17 @@ def test_opportunistic_episodes_continue_and_resume_every_prompt_once(policy, re
     on each prompt of the first four batches once, in order, within the bound. (``regenerate``, which drops cut
     episodes to start over, is tests/test_episodes.py's interrupt test: the engine's part is all
     that differs.)"""
-    from megarl.data.prompts import prompt_dataset
-    from megarl.trainer.loop import train
 
     run_dir = tmp_path / "episodes"
-    marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
     # two batches ahead (k = 2), and the engine decoding two sequences at a time (each answer is
     # 96 tokens long: a batch's 8 take longer than a step's training), so every sync finds
     # answers in the middle of their turn to cut (with all at once, or k = 1, the engine could
     # finish before the sync, or hold only answers not started yet)
     episodes = [*OPPORTUNISTIC, "trainer.max_staleness=2", "rollout.partial=continue", "env={kind: single_turn}",
                 "rollout.max_num_seqs=2", "eval.sets=[]"]
-    with _cli_run([*grpo_overrides(policy, reward_url, run_dir, steps=40), *episodes, "rollout.granularity=group",
-                   "env.max_concurrent_episodes=4"], env=dict([marker.split("=")])) as proc:
-        _wait_for_phase(run_dir, proc, 3, "actor_update")
-        engines = json.loads((run_dir / "engines.json").read_text())
-        pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith("VLLM::EngineCore"))
-        output, took = _ended_by(proc, lambda: os.kill(pid, signal.SIGKILL))
-    assert proc.returncode == 1 and took < 60, (took, output[-3000:])
-    assert "rollout engine 0" in output and "VLLM::EngineCore" in output, output[-3000:]
-    deadline = time.monotonic() + 30
-    while (left := _marked_processes(marker)) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not left, f"left running 30 s after the run ended: {left}"
-
-    cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *episodes])
-    train(cfg)
-    history = _read_metrics(run_dir)
-    assert [h["step"] for h in history] == [1, 2, 3, 4]
-    dataset = prompt_dataset(cfg.data)
-    assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(4)]  # each once, in order
+    history, expected = _killed_in_step_3_then_resumed(policy, reward_url, run_dir, episodes,
+                                                       ["rollout.granularity=group", "env.max_concurrent_episodes=4"])
+    assert [h["data/prompt_ids"] for h in history] == expected  # each once, in order
     assert all(0 <= h["rollout/staleness"] <= 2 for h in history)
     assert all(h["reward/env"] == h["reward/mean"] for h in history)  # the environment scored them
     interrupted = [h["rollout/interrupted_episodes"] for h in history]
