@@ -30,6 +30,9 @@ class RolloutEngine(Protocol):
     def busy_seconds(self) -> float:
         """Seconds spent generating since start (answers while generate blocks)."""
 
+    def sampled_tokens(self) -> int:
+        """Tokens sampled since start by the calls driven a step at a time (answers while they block)."""
+
     # -- generation and scoring ---------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
@@ -69,9 +72,12 @@ class RolloutEngine(Protocol):
         each prompt's ``sampling.n`` samples yielded as ``(index, samples)`` when they finish."""
 
     def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: Any, rewards: list[Any],
-                             limits: Any) -> Any:
-        """``serve_groups`` for multi-turn episodes: ``add_groups`` sends (index, a group's
-        ``EpisodeRequest``s); each group's ``Trajectory``s yielded as ``(index, trajectories)``."""
+                             limits: Any, epoch: int | None = None, suspend: bool = False) -> Any:
+        """``serve_groups`` for multi-turn episodes: ``add_groups`` sends (index, an
+        ``EpisodeRequest`` or None per episode of the group); each group yielded as ``(index, a
+        Trajectory or None per episode)``. With ``epoch``, ``interrupt`` of it ends the call, the
+        open groups coming back at once, their unfinished episodes dropped or (``suspend``) kept
+        for ``continue_episodes``."""
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""
