@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_progress import sampled_tokens, wait_for_tokens
 
 from megarl.config.schema import EnvConfig, RewardTermConfig, RunConfig, ToolConfig
 from megarl.envs.base import EpisodeItem
@@ -128,9 +129,9 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
     requests, sampling, cfg = _interruptible_requests()
 
     def interrupted(epoch: int, keep: str | None = None) -> list:
-        before = ray.get(engine.sampled_tokens.remote(), timeout=60)
+        before = sampled_tokens(engine)
         call = submit_episode_requests(engine, requests, replace(sampling, weight_version=0), cfg, epoch, keep)
-        _wait_for_tokens(engine, before, 12 * 10)  # the twelve episodes ~10 steps in
+        wait_for_tokens(engine, before, 12 * 10)  # the twelve episodes ~10 steps in
         ray.get(engine.interrupt.remote(epoch), timeout=60)
         out = ray.get(call, timeout=300)
         assert len(out) == len(requests) and any(t is None for t in out), [t and t.finish_reason for t in out]
@@ -160,18 +161,6 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
         ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), 11), timeout=60)
 
 
-def _wait_for_tokens(engine, since: int, count: int) -> None:
-    """Until the engine has sampled ``count`` tokens after its count stood at ``since``."""
-    import time
-
-    import ray
-
-    deadline = time.monotonic() + 120
-    while ray.get(engine.sampled_tokens.remote(), timeout=60) - since < count:
-        assert time.monotonic() < deadline, f"the engine sampled no {count} tokens in 120 s"
-        time.sleep(0.02)
-
-
 def test_streamed_episode_groups_are_cut_by_an_interrupt_and_go_on_where_they_wait(engine, hf_model, tokenizer):
     """rollout.granularity=group with episodes under the opportunistic schedule
     (``serve_episode_groups`` with an epoch): ``interrupt`` ends the stream at the next round, each
@@ -191,9 +180,9 @@ def test_streamed_episode_groups_are_cut_by_an_interrupt_and_go_on_where_they_wa
     at_v0 = replace(sampling, weight_version=0)
 
     def cut_short(epoch: int, suspend: bool):
-        before = ray.get(engine.sampled_tokens.remote(), timeout=60)
+        before = sampled_tokens(engine)
         streams = open_episode_group_streams([engine], groups, at_v0, cfg, epoch, suspend)
-        _wait_for_tokens(engine, before, 8 * 10)  # the eight episodes ~10 steps in
+        wait_for_tokens(engine, before, 8 * 10)  # the eight episodes ~10 steps in
         ray.get(engine.interrupt.remote(epoch), timeout=60)
         got = dict(groups_as_they_finish(streams, timeout_s=300))
         assert all(len(got[g]) == 2 for g in got)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import build_tiny_hf
+from engine_progress import sampled_tokens, wait_for_tokens
 
 from megarl.rollout.sampling import SamplingConfig
 
@@ -152,7 +153,6 @@ def test_an_interrupted_segment_stops_early_and_continues_where_it_stopped(engin
     "interrupted" with their log-probs; continued from prompt + those tokens, the whole response's
     log-probs are the engine's scoring of the whole sequence (same weights, T = 1). An interrupt of
     an earlier epoch leaves later calls alone."""
-    import time
 
     import ray
 
@@ -160,15 +160,12 @@ def test_an_interrupted_segment_stops_early_and_continues_where_it_stopped(engin
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4], [5, 6]]
     budget = 240
-    before = ray.get(engine.handle.sampled_tokens.remote(), timeout=60)
+    before = sampled_tokens(engine.handle)
     call = engine.handle.generate_segments.remote([SegmentRequest(p, budget, 11 + i) for i, p in enumerate(prompts)],
                                                   SamplingConfig(temperature=1.0), 3)
     # interrupted once the four are ~10 steps in (not after a fixed time: a cold or loaded
     # engine's first steps can take a second), far from their 240-token budget
-    deadline = time.monotonic() + 120
-    while ray.get(engine.handle.sampled_tokens.remote(), timeout=60) - before < 4 * 10:
-        assert time.monotonic() < deadline, "the engine sampled no 40 tokens in 120 s"
-        time.sleep(0.02)
+    wait_for_tokens(engine.handle, before, 4 * 10)
     engine.interrupt(3)
     partial = ray.get(call, timeout=120)
     # (a sample may have drawn the model's eos before the interrupt: those finished, as "stop")
@@ -194,9 +191,7 @@ def test_streamed_groups_of_segments_are_cut_short_by_an_interrupt_and_continue(
     them, the groups in flight coming back with their tokens so far as "interrupted" and the groups
     still waiting never sent; streamed again, every sample finishes, and each whole response's
     log-probs are the engine's scoring of it (one version throughout)."""
-    import time
 
-    import ray
 
     from megarl.rollout.group_streams import groups_as_they_finish, open_segment_group_streams
     from megarl.rollout.sampling import SegmentRequest
@@ -220,13 +215,10 @@ def test_streamed_groups_of_segments_are_cut_short_by_an_interrupt_and_continue(
     batch = new_batch(1, list(range(12)), prompts, n=2, seed=11)
     long = dataclasses.replace(sampling, max_tokens=budget)
     # eight groups (16 samples of up to 240 tokens) run, four wait; interrupted ~10 steps in
-    before = ray.get(engine.handle.sampled_tokens.remote(), timeout=60)
+    before = sampled_tokens(engine.handle)
     stream(batch, [engine.handle], long, version=0, epoch=21, max_num_seqs=16)
     assert len(batch.streams.waiting) == 4
-    deadline = time.monotonic() + 120
-    while ray.get(engine.handle.sampled_tokens.remote(), timeout=60) - before < 16 * 10:
-        assert time.monotonic() < deadline, "the engine sampled no 160 tokens in 120 s"
-        time.sleep(0.02)
+    wait_for_tokens(engine.handle, before, 16 * 10)
     engine.interrupt(21)
     finished = list(take_groups(batch, timeout_s=120))
     assert batch.streams is None and not batch.finished and set(finished) <= set(range(8))

@@ -237,12 +237,9 @@ class EpisodeRunner:
 
     def take(self, indices: list[int]) -> list[Trajectory] | None:
         """These episodes, once every one of them has finished (then forgotten); else None."""
-        p = self._p
-        if not all(i in p.done for i in indices):
+        if not all(i in self._p.done for i in indices):
             return None
-        taken = set(indices)
-        p.owed = [i for i in p.owed if i not in taken]
-        return [p.done.pop(i) for i in indices]
+        return self.take_finished(indices)
 
     def take_finished(self, indices: list[int]) -> list[Trajectory | None]:
         """These episodes as they stand: the finished ones (then forgotten), None for the others."""
