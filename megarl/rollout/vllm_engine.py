@@ -60,7 +60,7 @@ class VLLMEngine(GroupServing):
                  weights: str = "model", fp8_block: int | None = None, expert_parallel: bool = False,
                  routing_replay: bool = False):
         platform = current_platform()
-        platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores())
+        platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores(), routing_replay)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
@@ -86,6 +86,7 @@ class VLLMEngine(GroupServing):
             # megarl checkpoint has no HF weights for vLLM to read).
             load_format=load_format, quantization=quantization,
             **platform.vllm_memory_args(gpu_memory_utilization),
+            **platform.vllm_runner_args(routing_replay),
         )
         # vLLM's engine core and its workers, now that they are up: a death of any of them would
         # leave a call on this engine waiting forever.
@@ -341,9 +342,9 @@ class VLLMEngine(GroupServing):
         return [json.loads(m) for m in self.llm.collective_rpc("megarl_param_meta")]
 
     def join_sync_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                        timeout_s: float = 120.0) -> list[int]:
+                        timeout_s: float = 120.0, same_device: str = "auto") -> list[int]:
         return self.llm.collective_rpc("megarl_join_sync_group",
-                                       args=(host, port, first_rank, world_size, backend, timeout_s))
+                                       args=(host, port, first_rank, world_size, backend, timeout_s, same_device))
 
     def leave_sync_group(self) -> None:
         self.llm.collective_rpc("megarl_leave_sync_group")

@@ -49,9 +49,12 @@ def _online_fp8(module: torch.nn.Module | None) -> bool:
     method = getattr(module, "quant_method", None)
     if method is None:
         return False
-    from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
+    from vllm.model_executor.layers.quantization.online import fp8
 
-    return isinstance(method, OnlineLinearBase)
+    # vLLM 0.32 names the base OnlineLinearBase; 0.26 (the newest for torch 2.11, what the staged
+    # GPU machine runs: containers/stage_gpu.sh) _Fp8OnlineLinearBase
+    base = getattr(fp8, "OnlineLinearBase", None) or fp8._Fp8OnlineLinearBase
+    return isinstance(method, base)
 
 
 def _quantize_online_fp8(module: torch.nn.Module, weight: torch.Tensor) -> None:
@@ -216,11 +219,11 @@ class WeightSyncExtension:
     # -- sync group and plans -----------------------------------------------------------------
 
     def megarl_join_sync_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                               timeout_s: float = 120.0) -> int:
+                               timeout_s: float = 120.0, same_device: str = "auto") -> int:
         from megarl.reshard.group import open_sync_group
 
         rank = first_rank + self._megarl_tp()[0]
-        self._megarl_group = open_sync_group(host, port, rank, world_size, backend, timeout_s)
+        self._megarl_group = open_sync_group(host, port, rank, world_size, backend, timeout_s, same_device)
         return rank
 
     def megarl_leave_sync_group(self) -> None:

@@ -87,6 +87,7 @@ class Run:
 
         from megarl.cluster.placement import place
         from megarl.cluster.ray_env import ensure_ray
+        from megarl.rollout.remote import wait_ready
 
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,10 +104,13 @@ class Run:
         dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
         self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
         self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
+        if cfg.rollout.colocate_with is not None:
+            # vLLM sizes its KV cache from the device's free memory as it starts: the roles that
+            # share its devices load once it has, or its profile counts their weights as its own
+            wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
         for name, role_cfg in cfg.roles().items():
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
         self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
-        from megarl.rollout.remote import wait_ready
         from megarl.workers.weight_sync import WeightSync
 
         wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
@@ -153,7 +157,7 @@ class Run:
                              weights=r.weights, fp8_block=r.fp8_block,
                              expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,
                              placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
-                             cpu_threads=self._cpu_threads(slot))
+                             num_gpus=slot.gpus_per_rank, cpu_threads=self._cpu_threads(slot))
                 for i in range(r.engines)]
 
     def _cpu_threads(self, slot) -> int | None:
@@ -220,14 +224,16 @@ class Run:
         and continued under the new weights: trainer.schedule=opportunistic)."""
         self.rollout.drain()
         self.colocation.to_sync()
-        self.sync.sync()
+        report = self.sync.sync()
         wait_all([e.set_weight_version.remote(self.step) for e in self.engines], self.cfg.trainer.collective_timeout_s,
                  "recording the engines' weight version")
         self.rollout.resume(self.step)
         self.colocation.after_sync()
         verified = self.verify_sync(batch) if batch is not None else {}
         self.colocation.actor_off()
-        return verified
+        # the refit: its time (on GPU, of the transfer, not its enqueueing) and bytes
+        return verified | {"sync/refit_s": report.seconds, "sync/received_bytes": float(sum(report.received.values())),
+                           "sync/bytes_ratio": report.bytes_ratio}
 
     def verify_sync(self, batch: RolloutBatch) -> dict[str, float]:
         if self.cfg.trainer.verify_sync == "never" or (self.cfg.trainer.verify_sync == "first" and self.step > 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megarl.distributed.bringup import free_port
-from megarl.reshard.group import node_ip, open_sync_group
+from megarl.reshard.group import SameDevice, node_ip, open_sync_group
 from megarl.reshard.plan import meta_fingerprint
 from megarl.reshard.source import expected_checksums, source_meta, source_tensors
 from megarl.reshard.transport import run_fragment
@@ -26,11 +26,11 @@ def address() -> tuple[str, int]:
 
 
 def join(host: str, port: int, rank_map: dict[int, int], world_size: int, backend: str,
-         timeout_s: float = 120.0) -> int | None:
+         timeout_s: float = 120.0, same_device: SameDevice = "auto") -> int | None:
     sync_rank = rank_map.get(dist.get_rank())
     leave()
     if sync_rank is not None:
-        group = open_sync_group(host, port, sync_rank, world_size, backend, timeout_s)
+        group = open_sync_group(host, port, sync_rank, world_size, backend, timeout_s, same_device)
         state[SYNC_STATE_KEY] = {"group": group, "plans": {}}
     return sync_rank
 

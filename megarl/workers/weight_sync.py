@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megarl.platform import current_platform
+from megarl.reshard.group import SameDevice
 from megarl.reshard.plan import DestinationLayout, DestRank, ParamInfo, PlanError, SourceRank, SyncPlan, build_plan
 from megarl.rollout.vllm_layout import VLLM_LAYOUT
 from megarl.utils.abort import RUN_ABORT, wait_all
@@ -57,7 +58,8 @@ class VerifyReport:
 
 class WeightSync:
     def __init__(self, actor, model_key: str, engines: list, bucket_bytes: int = 256 * 2**20,
-                 backend: str | None = None, timeout_s: float = 120.0, layout: DestinationLayout = VLLM_LAYOUT):
+                 backend: str | None = None, timeout_s: float = 120.0, layout: DestinationLayout = VLLM_LAYOUT,
+                 same_device: SameDevice = "auto"):
         self.actor = actor
         self.model_key = model_key
         self.engines = engines
@@ -65,6 +67,8 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.backend = backend or current_platform().backend
         self.timeout_s = timeout_s
+        # pairs of an actor rank and a rollout worker on one device exchange through it (colocated)
+        self.same_device = same_device
         self.plan: SyncPlan | None = None
         self._sources: list[SourceRank] = []
         self.destinations: list[list[DestRank]] = []
@@ -98,8 +102,9 @@ class WeightSync:
         host_rank = next(g for g, s in rank_map.items() if s == 0)
         host, port = self.actor.run_on([host_rank], sync_fns.address)[0]
         pending = self.actor.submit(sync_fns.join, host=host, port=port, rank_map=rank_map, world_size=world,
-                                    backend=self.backend, timeout_s=self.timeout_s)
-        joins = [e.join_sync_group.remote(host, port, ws[0].rank, world, self.backend, self.timeout_s)
+                                    backend=self.backend, timeout_s=self.timeout_s, same_device=self.same_device)
+        joins = [e.join_sync_group.remote(host, port, ws[0].rank, world, self.backend, self.timeout_s,
+                                          self.same_device)
                  for e, ws in zip(self.engines, self.destinations, strict=True)]
         wait_all(joins, self.timeout_s, "joining the weight-sync group")
         pending.result(self.timeout_s)

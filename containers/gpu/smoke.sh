@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# megarl's rollout path on a bare single-GPU machine (CUDA, Python 3.12, torch 2.11; no vLLM, Ray
+# or megatron-core), in two commands that follow each other while the machine stays warm, each
+# carrying one piece that containers/gpu/stage.sh built:
+#   bash containers/gpu/smoke.sh engine   # carry .gpu_stage/vllm.tar.xz: probe, ipc, engine, fp8, r3
+#   bash containers/gpu/smoke.sh ray      # carry .gpu_stage/ray.tar.xz and .gpu_stage/tokenizer:
+#                                         # the gpu-marked tests, colocated GRPO in bf16 and with FP8 rollout
+# Unpacked packages stay in /tmp/megarl-site between commands. Every step runs under its own time
+# limit; each appends a JSON line to $OUT/summary.jsonl (containers/gpu/smoke_steps.py), and the
+# output of all goes to $OUT/<part>.log. Run from the repository root.
+set -u
+PART=${1:?usage: smoke.sh engine|ray}
+OUT=${OUT:-/tmp/megarl-gpu-out}
+STAGE=${STAGE:-.gpu_stage}
+SITE=/tmp/megarl-site
+mkdir -p "$OUT" "$SITE"
+LOG="$OUT/$PART.log"
+# vLLM's Triton attention (the staged build carries no FlashAttention); callables through
+# collective_rpc (the steps ask the workers which model runner they run)
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+    VLLM_ATTENTION_BACKEND=TRITON_ATTN VLLM_ALLOW_INSECURE_SERIALIZATION=1 RAY_ADDRESS= \
+    OUT SMOKE_TOKENIZER=$STAGE/tokenizer
+export PATH=$SITE/bin:$PATH
+
+unpack() {  # $1: a piece of the stage
+    [ -f "$STAGE/$1" ] || { echo "$STAGE/$1 was not carried" | tee -a "$LOG"; return 1; }
+    local t0=$SECONDS
+    xz -dc -T0 "$STAGE/$1" | tar -C "$SITE" -xf - && echo "unpacked $1 in $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+step() {  # $1: limit in seconds, $2...: the step and its arguments
+    local limit=$1 t0=$SECONDS
+    shift
+    echo "== $* (limit ${limit}s)" | tee -a "$LOG"
+    timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    echo "== $* exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+    [ $rc -eq 124 ] && echo "{\"step\": \"$*\", \"ok\": false, \"error\": \"timed out after ${limit} s\"}" >>"$OUT/summary.jsonl"
+    # what a killed step left behind must not starve the next one of GPU memory
+    pkill -9 -f "VLLM::" 2>/dev/null; pkill -9 -f "ray::" 2>/dev/null
+    pkill -9 -f raylet 2>/dev/null; pkill -9 -f gcs_server 2>/dev/null
+    return 0
+}
+
+S="python3 containers/gpu/smoke_steps.py"
+case $PART in
+engine)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+    unpack vllm.tar.xz || exit 1
+    step 60 $S probe
+    step 45 $S ipc
+    step 100 $S engine
+    step 75 $S fp8
+    step 75 $S r3
+    ;;
+ray)
+    [ -d "$SITE/vllm" ] || { echo "vLLM is not unpacked: run 'smoke.sh engine' first (same warm machine)"; exit 1; }
+    unpack ray.tar.xz || exit 1
+    GRPO_NAME=grpo_bf16 GRPO_LIMIT_S=110 step 120 $S grpo
+    GRPO_NAME=grpo_fp8 GRPO_ARGS="rollout.weights=fp8" GRPO_LIMIT_S=90 step 100 $S grpo
+    step 130 python3 -m pytest -v -rA -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 100
+    ;;
+*) echo "unknown part $PART (engine | ray)"; exit 2 ;;
+esac
+echo "== summary" | tee -a "$LOG"
+cat "$OUT/summary.jsonl"
