@@ -157,6 +157,9 @@ class Platform:
         (TP workers on a small machine would fight over the same cores), and the engine's ``cores``
         split over its TP workers (Ray sets OMP_NUM_THREADS to 1)."""
         if self.is_gpu:
+            # vLLM's engine core and workers are fresh processes: a forked one cannot initialise CUDA
+            # once its parent has (a Ray actor that asked torch about the GPU, a test process)
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
             if routing_replay:
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             # vLLM's sleep-mode allocator refuses torch's expandable segments (common in Megatron
@@ -211,6 +214,9 @@ def current_platform() -> Platform:
     forced = os.environ.get("MEGARL_PLATFORM", "").lower()
     if forced not in ("", "cpu", "cuda"):
         raise ValueError(f"MEGARL_PLATFORM must be 'cpu' or 'cuda', got {forced!r}")
+    # Asked through NVML: torch's own check (cudaGetDeviceCount) marks the process as having
+    # touched CUDA, and a process it forks then cannot use the GPU (vLLM forks its workers).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     use_cuda = torch.cuda.is_available() if forced == "" else forced == "cuda"
     if use_cuda:
         has_te = importlib.util.find_spec("transformer_engine") is not None
