@@ -43,6 +43,13 @@ def test_megarl_steps_recover_generated_tokens_from_the_logged_rate():
         megarl_steps([{"step": 3, "time/step_s": 1.0, "throughput/tokens_per_s": 1.0}])
 
 
+def test_megarl_steps_leave_out_the_evaluation_before_training():
+    """`megarl bench e2e` with the demo's held-out evaluation on ended in a KeyError: step 0's row."""
+    history = [{"step": 0, "eval/chain_sum/accuracy": 0.42},
+               {"step": 1, "time/step_s": 2.0, "throughput/tokens_per_s": 10.0, "reward/mean": 0.5}]
+    assert [(s.tokens, s.seconds, s.reward) for s in megarl_steps(history)] == [(20, 2.0, 0.5)]
+
+
 def test_report_pools_rounds_and_judges_the_ratio_against_the_target():
     setup = {"task": "GRPO on a model", "steps": 3, "threads": 2, "cores": 2, "notes": ["load note"]}
     rounds = [

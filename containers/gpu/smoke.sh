@@ -17,10 +17,11 @@ STAGE=${STAGE:-.gpu_stage}
 SITE=/tmp/megarl-site
 mkdir -p "$OUT" "$SITE"
 LOG="$OUT/$PART.log"
-# vLLM's Triton attention (the staged build carries no FlashAttention); callables through
+# vLLM's Triton attention and PyTorch sampling (the staged build carries neither FlashAttention nor
+# FlashInfer, whose sampler vLLM's V2 model runner imports unless told not to); callables through
 # collective_rpc (the steps ask the workers which model runner they run)
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
-    VLLM_ATTENTION_BACKEND=TRITON_ATTN VLLM_ALLOW_INSECURE_SERIALIZATION=1 RAY_ADDRESS= \
+    VLLM_ATTENTION_BACKEND=TRITON_ATTN VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 RAY_ADDRESS= \
     OUT SMOKE_TOKENIZER=$STAGE/tokenizer
 export PATH=$SITE/bin:$PATH
 

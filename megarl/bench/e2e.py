@@ -81,9 +81,12 @@ def verdict(megarl_rate: float, trl_rate: float, target: float = TARGET_RATIO) -
 
 
 def megarl_steps(history: list[dict[str, Any]]) -> list[StepRecord]:
-    """Per-step records from megarl's metrics history (``train``'s return value)."""
+    """Per-step records from megarl's metrics history (``train``'s return value). The held-out
+    evaluation before training logs a row of its own (step 0, no step time): not a step."""
     out = []
     for h in history:
+        if h.get("step") == 0:
+            continue
         for key in ("time/step_s", "throughput/tokens_per_s", "reward/mean"):
             if key not in h:
                 raise KeyError(f"megarl step {h.get('step')}: no {key!r} in its metrics")

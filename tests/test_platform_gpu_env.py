@@ -1,0 +1,60 @@
+"""What the GPU platform asks of vLLM's processes, checked on a CUDA ``Platform`` object (no GPU
+needed: these are the settings a bare H200 run showed to be required, containers/gpu):
+
+- vLLM's engine core and workers spawn: a forked worker cannot initialise CUDA once its parent
+  has touched it ("Cannot re-initialize CUDA in forked subprocess", seen on the H200);
+- routing replay runs vLLM's V1 model runner without asynchronous scheduling (the route capture
+  reads the V1 runner's host-side batch);
+- torch's expandable segments, which vLLM's sleep-mode allocator refuses, are dropped from the
+  engine process's allocator settings and the others kept;
+- VLLM_ATTENTION_BACKEND, which vLLM no longer reads itself, names the attention backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.platform import Platform, current_platform
+
+CUDA = Platform(name="cuda", backend="nccl", has_transformer_engine=False)
+VARS = ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_V2_MODEL_RUNNER", "PYTORCH_CUDA_ALLOC_CONF",
+        "VLLM_ATTENTION_BACKEND")
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in VARS:  # set then deleted: monkeypatch puts back whatever was there (or nothing)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    import os
+
+    return os.environ
+
+
+def test_engine_processes_spawn_and_replay_runs_the_v1_runner(env):
+    CUDA.prepare_vllm_process(kv_cache_gib=1, tp=1, cores=2, routing_replay=False)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and "VLLM_USE_V2_MODEL_RUNNER" not in env
+    assert CUDA.vllm_runner_args(routing_replay=False) == {}
+    CUDA.prepare_vllm_process(kv_cache_gib=1, tp=1, cores=2, routing_replay=True)
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert CUDA.vllm_runner_args(routing_replay=True) == {"async_scheduling": False}
+
+
+@pytest.mark.parametrize("conf,left", [("expandable_segments:True", None),
+                                       ("max_split_size_mb:512,expandable_segments:True", "max_split_size_mb:512"),
+                                       ("max_split_size_mb:512", "max_split_size_mb:512")])
+def test_expandable_segments_are_dropped_for_the_engine(env, conf, left):
+    env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    CUDA.prepare_vllm_process(kv_cache_gib=1, tp=1, cores=2)
+    assert env.get("PYTORCH_CUDA_ALLOC_CONF") == left
+
+
+def test_attention_backend_from_the_environment(env):
+    env["VLLM_ATTENTION_BACKEND"] = "TRITON_ATTN"
+    assert CUDA.vllm_runner_args(routing_replay=False) == {"attention_backend": "TRITON_ATTN"}
+
+
+def test_the_cpu_platform_asks_nothing_of_vllm_for_gpus(env):
+    cpu = current_platform()
+    assert not cpu.is_gpu and cpu.vllm_runner_args(routing_replay=True) == {}
+    assert cpu.same_device_sharing is None and cpu.finalizes_in_background
+    assert CUDA.same_device_sharing == "cuda_ipc" and not CUDA.finalizes_in_background
