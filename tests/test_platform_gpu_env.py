@@ -58,3 +58,37 @@ def test_the_cpu_platform_asks_nothing_of_vllm_for_gpus(env):
     assert not cpu.is_gpu and cpu.vllm_runner_args(routing_replay=True) == {}
     assert cpu.same_device_sharing is None and cpu.finalizes_in_background
     assert CUDA.same_device_sharing == "cuda_ipc" and not CUDA.finalizes_in_background
+
+
+def test_a_pool_wider_than_the_gpus_is_refused_before_any_rank_starts(monkeypatch):
+    """`megarl convert ... --tp 2` on a one-GPU machine bound two ranks to one GPU ("Duplicate GPU
+    detected" from NCCL): now one line that says what to do, before anything is spawned."""
+    import torch
+
+    from megarl.distributed import spmd
+
+    monkeypatch.setattr(spmd, "current_platform", lambda: CUDA)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks need 2 GPUs, and 1 are visible.*MEGARL_PLATFORM=cpu"):
+        spmd.SpmdPool(2)
+
+
+@pytest.mark.parametrize("capability,refused", [((9, 0), True), ((10, 0), False)])
+def test_mxfp8_is_refused_below_blackwell(monkeypatch, capability, refused):
+    """TE raises at the first FP8 forward with MXFP8 on a Hopper: validation says so first."""
+    import torch
+
+    from megarl.config.schema import PrecisionConfig
+    from megarl.validation.checks import precision_errors
+
+    te = Platform(name="cuda", backend="nccl", has_transformer_engine=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    mxfp8 = PrecisionConfig(dtype="bfloat16", fp8="hybrid", fp8_recipe="mxfp8")
+    errors = precision_errors(mxfp8, "actor.precision", te)
+    assert bool(errors) == refused
+    if refused:
+        assert errors == ["actor.precision.fp8_recipe='mxfp8' needs a Blackwell GPU (compute capability 10.0 or "
+                          "newer); this one is 9.0: use delayed, tensorwise or blockwise"]
+    assert precision_errors(PrecisionConfig(dtype="bfloat16", fp8="hybrid", fp8_recipe="delayed"),
+                            "actor.precision", te) == []

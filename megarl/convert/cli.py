@@ -272,12 +272,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megarl.distributed.spmd import SpmdError
+    from megarl.distributed.spmd import PoolTooWide, SpmdError
     from megarl.platform.safe_checkpoint import UnsafeCheckpointError
 
     try:
         return args.func(args)
-    except (ConfigError, ArchError, UnsafeCheckpointError, FileExistsError, FileNotFoundError) as e:
+    except (ConfigError, ArchError, UnsafeCheckpointError, FileExistsError, FileNotFoundError, PoolTooWide) as e:
         print(f"megarl convert: error: {e}", file=sys.stderr)
         return 2
     except SpmdError as e:

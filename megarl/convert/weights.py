@@ -15,6 +15,7 @@ from megarl.convert.hf_io import HFReader
 from megarl.convert.mapping import ShardLayout, canonical_name, hf_tensor_shapes, recipe
 from megarl.distributed.parallel import RankInfo
 from megarl.models.gpt import ModelSpec
+from megarl.platform import current_platform
 
 
 def shard_layout(spec: ModelSpec, info: RankInfo) -> ShardLayout:
@@ -100,7 +101,8 @@ def export_hf_tensors(chunks: list, spec: ModelSpec, info: RankInfo,
                 dist.send(shard.contiguous(), dst=0)
                 continue
         else:
-            shard = torch.empty(rec.shape, dtype=param_dtype)
+            # on the rank's device: the default group's backend is NCCL on GPU, which takes no CPU tensor
+            shard = torch.empty(rec.shape, dtype=param_dtype, device=current_platform().rank_device())
             dist.recv(shard, src=src)
         offset = 0
         for piece in rec.pieces:

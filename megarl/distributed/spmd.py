@@ -20,11 +20,16 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megarl.distributed.bringup import free_port, join_process_group
+from megarl.platform import current_platform
 from megarl.utils.cores import usable_cores
 
 
 class SpmdError(RuntimeError):
     """A rank of an SpmdPool failed; the message names the rank and carries its traceback."""
+
+
+class PoolTooWide(ValueError):
+    """More ranks than this machine's GPUs: refused before any rank starts."""
 
 
 def _threads_per_rank(world_size: int) -> int:
@@ -69,6 +74,11 @@ class SpmdPool:
                  threads_per_rank: int | None = None, start_timeout_s: float = 300.0):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        gpus = current_platform().visible_gpus()
+        if gpus is not None and world_size > gpus:
+            # each rank binds a GPU of its own: NCCL refuses two ranks of one group on one GPU
+            raise PoolTooWide(f"{world_size} ranks need {world_size} GPUs, and {gpus} are visible: use at most "
+                             f"{gpus} ranks, or MEGARL_PLATFORM=cpu to run them on the CPU")
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         port = free_port()

@@ -104,6 +104,16 @@ class Platform:
         on (vLLM's workers run on their own), and finalising there is almost free anyway."""
         return not self.is_gpu
 
+    def compute_capability(self) -> tuple[int, int] | None:
+        """(major, minor) of this process's GPU; None on CPU (or a GPU platform without a visible GPU)."""
+        if not self.is_gpu or not torch.cuda.device_count():
+            return None
+        return tuple(torch.cuda.get_device_capability())
+
+    def visible_gpus(self) -> int | None:
+        """GPUs this process sees (None on CPU): a pool of ranks binds one each."""
+        return torch.cuda.device_count() if self.is_gpu else None
+
     def rank_device(self) -> torch.device:
         """This process's device: the GPU ``bind_device`` gave it, or the CPU."""
         if self.is_gpu:

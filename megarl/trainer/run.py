@@ -232,7 +232,7 @@ class Run:
         verified = self.verify_sync(batch) if batch is not None else {}
         self.colocation.actor_off()
         # the refit: its time (on GPU, of the transfer, not its enqueueing) and bytes
-        return verified | {"sync/refit_s": report.seconds, "sync/received_bytes": float(sum(report.received.values())),
+        return verified | {"time/refit_s": report.seconds, "sync/received_bytes": float(sum(report.received.values())),
                            "sync/bytes_ratio": report.bytes_ratio}
 
     def verify_sync(self, batch: RolloutBatch) -> dict[str, float]:

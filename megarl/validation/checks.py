@@ -40,6 +40,12 @@ def precision_errors(prec: PrecisionConfig, where: str, platform: Platform) -> l
             errors.append(f"{where}.fp8 needs {where}.dtype=bfloat16 (FP8 GEMMs run under BF16 training)")
     if prec.fp8_recipe not in FP8_RECIPES:
         errors.append(f"{where}.fp8_recipe={prec.fp8_recipe!r} must be one of {', '.join(FP8_RECIPES)}")
+    elif prec.fp8 is not None and prec.fp8_recipe == "mxfp8" and (cc := platform.compute_capability()) \
+            and cc < (10, 0):
+        # MXFP8 block scales are a Blackwell (SM100) format: Transformer Engine raises at the first
+        # FP8 forward on a Hopper
+        errors.append(f"{where}.fp8_recipe='mxfp8' needs a Blackwell GPU (compute capability 10.0 or newer); "
+                      f"this one is {cc[0]}.{cc[1]}: use delayed, tensorwise or blockwise")
     return errors
 
 

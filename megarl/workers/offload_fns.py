@@ -99,10 +99,15 @@ def offload(key: str, parts: tuple[str, ...] = PARTS) -> int:
 def onload(key: str) -> int:
     """Brings every offloaded storage of the held model back, bit for bit; returns bytes restored."""
     model = held(key)
-    saved = model.extra.pop("offloaded", {})
+    saved = model.extra.get("offloaded", {})
     restored = 0
-    for storage, host in saved.values():
+    # Each host copy is dropped only once its storage holds it again: a device allocation that
+    # fails partway (colocated, the GPU is shared) leaves the rest offloaded, not lost, and a
+    # later onload finishes the job.
+    for ptr, (storage, host) in list(saved.items()):
         storage.resize_(host.numel())
         torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host)
         restored += host.numel()
+        del saved[ptr]
+    model.extra.pop("offloaded", None)
     return restored
