@@ -26,16 +26,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_VOCAB as VOCAB
 from conftest import build_tiny_policy, with_smollm2_tokenizer
+from length_reward import serve as serve_length_reward
 
 from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
@@ -64,30 +63,10 @@ def reward_model(tmp_path_factory, smollm2) -> Path:
     return with_smollm2_tokenizer(path, smollm2)
 
 
-class _LengthReward(BaseHTTPRequestHandler):
-    """A remote reward with varied, deterministic scores for a random model's text: it
-    favours responses with few distinct characters."""
-
-    def do_POST(self):  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        rewards = [1.0 / (1 + len(set(s["response"]))) for s in body["samples"]]
-        data = json.dumps({"rewards": rewards}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def reward_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _LengthReward)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    url, server = serve_length_reward()
+    yield url
     server.shutdown()
 
 

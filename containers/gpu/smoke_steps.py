@@ -216,30 +216,6 @@ def r3() -> dict:
     return out
 
 
-def _reward_server() -> str:
-    """A remote reward that varies for a random model's text (it favours responses of few distinct
-    characters), so the policy moves from its first step and every sync carries new weights."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            data = json.dumps({"rewards": [1.0 / (1 + len(set(s["response"]))) for s in body["samples"]]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/score"
-
-
 def grpo() -> dict:
     """A colocated GRPO run of a tiny Llama with SmolLM2's tokenizer; its per-step numbers."""
     extra = os.environ.get("GRPO_ARGS", "").split()
@@ -249,7 +225,10 @@ def grpo() -> dict:
     data.write_text("".join(json.dumps({"prompt": f"What is {a} plus {b}?", "answer": str(a + b)}) + "\n"
                             for a in range(4) for b in range(4)))
     run_dir = WORK / name
-    url = _reward_server()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from length_reward import serve  # the trainer tests' reward: varied scores for a random model
+
+    url, _ = serve()
     args = [f"actor.model.path={policy}", f"reference.model.path={policy}", f"output_dir={run_dir}",
             f"data.source={data}", "rewards=[{kind: remote, url: '" + url + "'}]", *extra]
     started = time.perf_counter()
