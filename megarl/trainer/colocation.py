@@ -65,14 +65,22 @@ class Colocation:
 
     @contextlib.contextmanager
     def roles_on_device(self) -> Iterator[None]:
-        """For work outside the step's flow (checkpoints): the roles that are off the device come
-        back, then leave again, so the run continues in the state it was in."""
+        """For work outside the step's flow (checkpoints): vLLM sleeps and the roles that are off
+        the device come back, then the roles leave again and vLLM wakes, so the run continues in
+        the state it was in. Between steps vLLM holds its weights and KV cache: the roles'
+        parameters, gradients and optimizer state must not come back on top of them."""
+        engines = list(self.engines) if self.sharing else []  # none once the run released them
+        if engines:
+            self._engines([e.sleep.remote() for e in engines], "vLLM's sleep")
         back = {n: r for n, r in self.sharing.items() if r.onload() > 0}
         try:
             yield
         finally:
             for role in back.values():
                 role.offload()
+            if engines:
+                self._engines([e.wake_up_weights.remote() for e in engines], "vLLM's wake-up")
+                self._engines([e.wake_up_kv_cache.remote() for e in engines], "vLLM's wake-up")
 
     def take_offloaded_bytes(self) -> int:
         """Bytes moved off the device since the last call."""
