@@ -98,7 +98,9 @@ def place(cfg: RunConfig) -> dict[str, Slot]:
     import ray
     from ray.util.placement_group import placement_group
 
-    bundles, asks = bundle_plan(cfg, current_platform().gpus_per_rank > 0)
+    # the cluster's GPUs, not the driver's: a driver on a login or head node without a GPU must
+    # still ask for the workers' GPUs (else Ray hides them and every rank silently runs on CPU)
+    bundles, asks = bundle_plan(cfg, ray.cluster_resources().get("GPU", 0) > 0)
     host_of = role_hosts(cfg)
     groups = {host: placement_group(b, strategy="PACK", name=f"megarl-{cfg.name}-{host}")
               for host, b in bundles.items()}

@@ -9,7 +9,6 @@ from typing import Any
 from megarl.config.schema import RunConfig
 from megarl.data.prompts import PromptItem
 from megarl.envs.base import EpisodeItem, Message
-from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest
 from megarl.rollout.sampling import SamplingConfig
 from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
@@ -26,7 +25,10 @@ def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 1}
-    gpus = current_platform().gpus_per_rank * tp if num_gpus is None else num_gpus
+    import ray
+
+    # by default a whole GPU per TP worker where the cluster has GPUs (the driver may have none)
+    gpus = (tp if ray.cluster_resources().get("GPU", 0) > 0 else 0) if num_gpus is None else num_gpus
     if gpus:
         options["num_gpus"] = gpus  # vLLM's TP workers are processes under this actor: give it their GPUs
     if name:

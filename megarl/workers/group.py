@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megarl.distributed.bringup import free_port, join_process_group
+from megarl.platform import current_platform
 from megarl.utils.abort import RUN_ABORT
 from megarl.utils.cores import usable_cores
 from megarl.workers.state import RankContext, current_rank, set_current_rank, state
@@ -113,6 +114,14 @@ def _init_distributed(master_addr: str, master_port: int, local_rank: int, local
                       node_ip: str, threads: int | None, collective_timeout_s: float | None = None) -> None:
     """Joins this rank to the group's torch.distributed group with the platform's backend."""
     ctx = current_rank()
+    import ray
+
+    if ray.get_runtime_context().get_assigned_resources().get("GPU", 0) > 0 and not current_platform().is_gpu:
+        # Ray gave this rank a GPU share, yet torch sees no CUDA (a CPU-only torch, or
+        # MEGARL_PLATFORM=cpu on a GPU node): refuse instead of training on the CPU unnoticed
+        raise RuntimeError(f"rank {ctx.rank} was given a GPU by Ray but torch sees no CUDA here "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
+                           f"MEGARL_PLATFORM={os.environ.get('MEGARL_PLATFORM', '')!r})")
     # Ray sets OMP_NUM_THREADS to the actor's logical CPUs (1); size the pool from the
     # real cores shared by this group's ranks on the node instead, as SpmdPool does.
     threads = threads or max(1, usable_cores() // local_world_size)

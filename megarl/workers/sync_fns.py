@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megarl.distributed.bringup import free_port
+from megarl.platform import current_platform
 from megarl.reshard.group import SameDevice, node_ip, open_sync_group
 from megarl.reshard.plan import meta_fingerprint
 from megarl.reshard.source import expected_checksums, source_meta, source_tensors
@@ -18,6 +19,11 @@ SYNC_STATE_KEY = "weight_sync"
 def meta(key: str) -> dict | None:
     model = held(key)
     return source_meta(model.chunks, model.spec, model.info)
+
+
+def backend() -> str:
+    """This rank's torch.distributed backend (the sync group's, for the ranks and the engines)."""
+    return current_platform().backend
 
 
 def address() -> tuple[str, int]:

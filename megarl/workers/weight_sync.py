@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from megarl.platform import current_platform
 from megarl.reshard.group import SameDevice
 from megarl.reshard.plan import DestinationLayout, DestRank, ParamInfo, PlanError, SourceRank, SyncPlan, build_plan
 from megarl.rollout.vllm_layout import VLLM_LAYOUT
@@ -65,7 +64,7 @@ class WeightSync:
         self.engines = engines
         self.layout = layout  # how the engines lay out their weights: the rollout backend's
         self.bucket_bytes = bucket_bytes
-        self.backend = backend or current_platform().backend
+        self.backend = backend  # None: the actor's ranks' own (NCCL on GPU), asked at setup
         self.timeout_s = timeout_s
         # pairs of an actor rank and a rollout worker on one device exchange through it (colocated)
         self.same_device = same_device
@@ -78,6 +77,8 @@ class WeightSync:
     def setup(self) -> SyncPlan:
 
         metas = self.actor.run(sync_fns.meta, key=self.model_key)
+        # the ranks' platform decides, not the driver's: a driver without a GPU drives GPU ranks
+        self.backend = self.backend or self.actor.run_on([0], sync_fns.backend)[0]
         arch = self.actor.run_on([0], _arch, key=self.model_key)[0]
         rank_map: dict[int, int] = {}
         self._sources = []
