@@ -8,7 +8,7 @@
 # containers/gpu/smoke.sh unpacks them on the machine. What makes vLLM fit (~300 MiB as a wheel):
 #   - only Hopper's device code: FlashAttention's two libraries (440 MiB) go, attention runs on
 #     vLLM's Triton backend (VLLM_ATTENTION_BACKEND=TRITON_ATTN), and the other architectures'
-#     SASS in vLLM's kernels is zeroed (containers/gpu/prune_fatbin.py), 127 -> 29 MiB compressed;
+#     SASS in vLLM's kernels is zeroed (containers/gpu/prune_fatbin.py), the two kernel libraries compress to 28 MiB instead of 63;
 #   - vLLM's optional kernel packages, its Rust server binary, DeepGEMM's and CUTLASS's headers
 #     (JIT only), mistral_common's tokenizer files and pycountry's translations are left out.
 # Run from the repository root: bash containers/gpu/stage.sh   (STAGE defaults to .gpu_stage)
