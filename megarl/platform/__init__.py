@@ -106,7 +106,7 @@ class Platform:
 
     def compute_capability(self) -> tuple[int, int] | None:
         """(major, minor) of this process's GPU; None on CPU (or a GPU platform without a visible GPU)."""
-        if not self.is_gpu or not torch.cuda.device_count():
+        if not self.visible_gpus():
             return None
         return tuple(torch.cuda.get_device_capability())
 

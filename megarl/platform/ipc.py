@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import socket
 import uuid
@@ -104,10 +105,7 @@ def copy_shared_into(shared: SharedTensor, target: torch.Tensor) -> None:
         del source
         return
     (path,) = shared.fields
-    numel = 1
-    for n in shared.shape:
-        numel *= n
-    source = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    source = torch.from_file(path, shared=True, size=math.prod(shared.shape), dtype=dtype)
     target.copy_(source.view(target.shape))
 
 

@@ -52,7 +52,7 @@ def _online_fp8(module: torch.nn.Module | None) -> bool:
     from vllm.model_executor.layers.quantization.online import fp8
 
     # vLLM 0.32 names the base OnlineLinearBase; 0.26 (the newest for torch 2.11, what the staged
-    # GPU machine runs: containers/stage_gpu.sh) _Fp8OnlineLinearBase
+    # GPU machine runs: containers/gpu/stage.sh) _Fp8OnlineLinearBase
     base = getattr(fp8, "OnlineLinearBase", None) or fp8._Fp8OnlineLinearBase
     return isinstance(method, base)
 
