@@ -249,6 +249,10 @@ def grpo() -> dict:
     steps = [{k: v for k, v in m.items() if k.startswith(keep) or k == "step"} for m in metrics]
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        failure = run_dir / "failure.log"  # the full error (the CLI prints its first line)
+        if failure.exists():
+            (OUT / f"{name}.failure.log").write_text(failure.read_text())
+            tail += failure.read_text().strip().splitlines()[-4:]
         raise RuntimeError(f"megarl train exited {proc.returncode}: {' | '.join(tail)}; steps logged: {steps}")
     return {"run_seconds": round(seconds, 1), "args": extra, "steps": steps}
 

@@ -43,6 +43,8 @@ guard = "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError("
 assert guard in text, "vllm_flash_attn's import guard moved: update containers/gpu/stage.sh"
 open(path, "w").write(text.replace(guard, "if False:  # megarl's GPU stage: no FlashAttention, TRITON_ATTN\n    raise ImportError("))
 EOF
+# a dependency missing here shows on the machine only as an ImportError minutes into a run
+python3 containers/gpu/missing_requirements.py "$site"
 python3 containers/gpu/prune_fatbin.py --keep 90 \
     "$site"/vllm/_C_stable_libtorch.abi3.so "$site"/vllm/_moe_C_stable_libtorch.abi3.so
 

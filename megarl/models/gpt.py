@@ -112,9 +112,10 @@ def transformer_config(spec: ModelSpec):
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        # The fused kernels below need CUDA extensions that the local spec does not have.
+        # CUDA only: bias/activation and bias/dropout fuse through torch's JIT, the masked softmax
+        # through CUDA extensions that only some environments have.
         bias_activation_fusion=platform.fuses_kernels,
-        masked_softmax_fusion=platform.fuses_kernels,
+        masked_softmax_fusion=platform.fuses_softmax,
         bias_dropout_fusion=platform.fuses_kernels,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,

@@ -68,6 +68,17 @@ class Platform:
         return self.is_gpu
 
     @property
+    def fuses_softmax(self) -> bool:
+        """megatron-core's fused masked softmax: CUDA extensions built by apex or Megatron-LM, which
+        the megatron-core wheel lacks. Asked for without them, the local spec's attention imports
+        them at the first bf16 batch whose shape suits the kernel (sequence length a multiple of 4),
+        which is how a GRPO run on the H200 died at its first weight-sync check."""
+        from importlib.util import find_spec
+
+        return self.is_gpu and all(find_spec(m) is not None for m in (
+            "scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda"))
+
+    @property
     def offloads_optimizer(self) -> bool:
         """megatron-core's optimizer CPU offload can be built: there is device memory to free, and
         Transformer Engine's precision-aware path it needs. Off on CPU (megatron-core 0.16.1 hands
