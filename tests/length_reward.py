@@ -29,3 +29,18 @@ def serve() -> tuple[str, ThreadingHTTPServer]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), LengthReward)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}/score", server
+
+
+def few_distinct_characters(samples: list, scale: float = 1.0) -> list[float]:
+    """The same score in process: a recipe's own reward term (``kind: length_reward:few_distinct_characters``)."""
+    return [scale / (1 + len(set(s.response))) for s in samples]
+
+
+class FewDistinctCharacters:
+    """The class form of a recipe's own reward term: made once with the term's options."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def __call__(self, samples: list) -> list[float]:
+        return few_distinct_characters(samples, self.scale)

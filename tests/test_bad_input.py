@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import Cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,7 +140,7 @@ PLAN = ("--model", "llama3.1-8b", "--gpus", "8")
 CASES = [
     # ---------------------------------------------------------------- ranges nobody checks
     Case("steps-zero", "range", "trainer.steps=0 must be >= 1", args=("trainer.steps=0",)),
-    Case("rollout-weights-unknown", "range", "rollout.weights='int4' must be model, fp8 or fp8_emulated",
+    Case("rollout-weights-unknown", "range", "rollout.weights: 'int4' is not one of model, fp8, fp8_emulated",
          args=("rollout.weights=int4",)),
     Case("fp8-block-without-fp8", "range", "rollout.fp8_block=128 needs rollout.weights=fp8 or fp8_emulated",
          args=("rollout.fp8_block=128",)),
@@ -210,15 +211,15 @@ CASES = [
          args=("trainer.critic_warmup=2",)),
     Case("staleness-colocated", "late", "trainer.max_staleness=1 needs rollout on its own resources",
          args=("trainer.max_staleness=1", "rollout.colocate_with=actor")),
-    Case("cpu-cores-unknown", "late", "trainer.cpu_cores='all' must be auto or bundle",
+    Case("cpu-cores-unknown", "late", "trainer.cpu_cores: 'all' is not one of auto, bundle",
          args=("trainer.cpu_cores=all",)),
-    Case("schedule-unknown", "late", "trainer.schedule='eager' must be exact or opportunistic",
+    Case("schedule-unknown", "late", "trainer.schedule: 'eager' is not one of exact, opportunistic",
          args=("trainer.schedule=eager",)),
     Case("opportunistic-in-lockstep", "late", "trainer.schedule=opportunistic needs trainer.max_staleness >= 1",
          args=("trainer.schedule=opportunistic",)),
-    Case("partial-unknown", "late", "rollout.partial='resume' must be continue or regenerate",
+    Case("partial-unknown", "late", "rollout.partial: 'resume' is not one of continue, regenerate",
          args=("rollout.partial=resume",)),
-    Case("granularity-unknown", "late", "rollout.granularity='prompt' must be batch or group",
+    Case("granularity-unknown", "late", "rollout.granularity: 'prompt' is not one of batch, group",
          args=("rollout.granularity=prompt",)),
     # multi-turn episodes (env): every problem named by its field before any engine starts
     Case("env-unknown-kind", "range", "env.kind='game' must be one of single_turn, tools, remote",
@@ -235,7 +236,7 @@ CASES = [
     Case("env-remote-url", "range", "env.url must be http(s)://host[:port]/path", args=("env={kind: remote}",)),
     Case("env-prelude-role", "range", "env.prelude[0] must be a mapping with role",
          args=("env={kind: tools, tools: [{name: calculator}], prelude: [{role: robot, content: hi}]}",)),
-    Case("env-unknown-credit", "range", "env.credit='step' must be one of episode, turn",
+    Case("env-unknown-credit", "range", "env.credit: 'step' is not one of episode, turn",
          args=("env={kind: tools, tools: [{name: calculator}], credit: step}",)),
     Case("env-turn-credit-gspo", "range", "env.credit='turn': gspo weighs whole sequences by one advantage",
          args=("env={kind: tools, tools: [{name: calculator}], credit: turn}", "algorithm.name=gspo")),
@@ -529,21 +530,20 @@ def test_modest_anchors_and_merge_keys_still_load(paths: Paths):
 
 # ---------------------------------------------------------------- real processes
 
-def _cli(*args: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+def _cli(cli: Cli, *args: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     began = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "megarl.cli.main", *args], capture_output=True, text=True,
-                            env=env, timeout=300)
+    result = cli(*args, env=env, timeout=300)
     return result, time.monotonic() - began
 
 
 @pytest.mark.parametrize("case_id", ["yaml-duplicate-role", "micro-batch-zero", "data-malformed-line",
                                      "plan-micro-batch-zero"])
-def test_subprocess_refuses_without_starting_ray(case_id: str, paths: Paths):
+def test_subprocess_refuses_without_starting_ray(case_id: str, paths: Paths, cli: Cli):
     case = next(c for c in CASES if c.id == case_id)
     ray_tmp = paths.tmp / "ray"  # where a Ray started by this process would put its session
     for extra in _modes(case):
-        result, elapsed = _cli(*_argv(case, paths), *extra, env_extra={"RAY_TMPDIR": str(ray_tmp)})
+        result, elapsed = _cli(cli, *_argv(case, paths), *extra, env_extra={"RAY_TMPDIR": str(ray_tmp)})
         err = result.stderr.strip()
         assert result.returncode not in (0, None), err
         assert "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -304,7 +304,7 @@ def test_groups_of_episodes_stream_the_episodes_of_a_whole_batch(engine, tokeniz
     each episode's own), rewards and tensors, scored by the environment."""
     from megarl.config.schema import DataConfig
     from megarl.data.prompts import prompt_dataset
-    from megarl.trainer.rewards import RunReward
+    from megarl.rewards.combined import RunReward
     from megarl.trainer.rollout_manager import RolloutManager
 
     cfg = RunConfig(data=DataConfig(source="reasoning_gym:products", size=16, prompts_per_step=4,

@@ -14,9 +14,9 @@ import re
 import pytest
 
 from megarl.config.schema import EvalConfig, EvalSetConfig, RewardTermConfig, RolloutConfig, RunConfig
+from megarl.rewards.combined import RunReward
 from megarl.trainer.evaluation import Evaluator, eval_due, final_table, pass_at_k, set_metrics
 from megarl.trainer.metrics import write_plots
-from megarl.trainer.rewards import RunReward
 
 TASK = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # the CPU demo's sums
 MAX_TOKENS = 32  # rollout.max_tokens, which the greedy set takes

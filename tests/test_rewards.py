@@ -286,7 +286,7 @@ def test_remote_checks_before_sending():
 
 def test_run_reward_weighs_its_terms_and_names_a_bad_one():
     from megarl.config.schema import RewardTermConfig
-    from megarl.trainer.rewards import RunReward
+    from megarl.rewards.combined import RunReward
 
     reward = RunReward([RewardTermConfig(kind="format", weight=0.2), RewardTermConfig(kind="math_verify")])
     batch = [sample("<answer>1/2</answer>", answer="0.5"), sample("<answer>3</answer>", answer="0.5"),
@@ -301,7 +301,7 @@ def test_run_reward_weighs_its_terms_and_names_a_bad_one():
 
 def test_an_eval_only_term_is_logged_in_training_and_counted_only_in_evaluation():
     from megarl.config.schema import RewardTermConfig
-    from megarl.trainer.rewards import RunReward
+    from megarl.rewards.combined import RunReward
 
     terms = [RewardTermConfig(kind="format", weight=0.5), RewardTermConfig(kind="math_verify", eval_only=True)]
     batch = [sample("<answer>1/2</answer>", answer="0.5"), sample("<answer>3</answer>", answer="0.5")]
@@ -309,3 +309,39 @@ def test_an_eval_only_term_is_logged_in_training_and_counted_only_in_evaluation(
     assert total.tolist() == [0.5, 0.5] and parts["reward/math_verify"].tolist() == [1.0, 0.0]
     total, _ = RunReward(terms, evaluation=True).score(batch)
     assert total.tolist() == [1.5, 0.5]
+
+
+def test_an_environment_leaves_eval_only_terms_out_of_the_training_reward():
+    """The environments' answers sum through the run's combiner: an eval_only term stays out of
+    the training reward there too (it used to be added: environments had their own sum)."""
+    import asyncio
+
+    from megarl.config.schema import EnvConfig, RewardTermConfig
+    from megarl.envs.base import EpisodeItem
+    from megarl.envs.registry import environment_factory
+
+    terms = [RewardTermConfig(kind="format", weight=0.5), RewardTermConfig(kind="math_verify", eval_only=True)]
+    env = environment_factory(EnvConfig(kind="single_turn"), terms)()
+
+    async def episode() -> float:
+        await env.reset(EpisodeItem(prompt="q", metadata={"answer": "0.5"}))
+        return (await env.step("<answer>1/2</answer>")).reward
+
+    assert asyncio.run(episode()) == 0.5  # format only; math_verify (1.0 here) is eval_only
+
+
+def test_a_recipes_own_reward_term_by_import_path():
+    from megarl.config.schema import RewardTermConfig
+    from megarl.rewards.combined import RunReward
+    from megarl.rewards.terms import build_term
+
+    batch = [sample("aab"), sample("abcd")]  # 2 and 4 distinct characters
+    for kind in ("length_reward:few_distinct_characters", "length_reward:FewDistinctCharacters"):
+        total, parts = RunReward([RewardTermConfig(kind=kind, weight=0.5, options={"scale": 3.0})]).score(batch)
+        assert total.tolist() == pytest.approx([0.5, 0.3]) and list(parts) == [f"reward/{kind.split(':')[1]}"]
+    for kind, options, problem in [("length_reward:nothing", {}, "has no 'nothing'"),
+                                   ("no_such_module:f", {}, "cannot import 'no_such_module'"),
+                                   ("length_reward:few_distinct_characters", {"sclae": 1}, "options do not fit"),
+                                   ("length_reward:FewDistinctCharacters", {"sclae": 1}, "options do not fit")]:
+        with pytest.raises(ValueError, match=problem):
+            build_term(RewardTermConfig(kind=kind, options=options))

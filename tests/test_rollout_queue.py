@@ -85,7 +85,7 @@ def manager(smollm2):
 
     from megarl.config.schema import DataConfig, RunConfig
     from megarl.data.prompts import prompt_dataset
-    from megarl.trainer.rewards import RunReward
+    from megarl.rewards.combined import RunReward
     from megarl.trainer.rollout_manager import RolloutManager
 
     cfg = RunConfig(data=DataConfig(source="reasoning_gym:chain_sum", size=32, prompts_per_step=2))
@@ -229,8 +229,8 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
 
     from megarl.config.schema import DataConfig, EnvConfig, RunConfig
     from megarl.data.prompts import prompt_dataset
+    from megarl.rewards.combined import RunReward
     from megarl.rollout.episodes import Trajectory
-    from megarl.trainer.rewards import RunReward
     from megarl.trainer.rollout_manager import RolloutManager
 
     cfg = RunConfig(data=DataConfig(source="reasoning_gym:chain_sum", size=32, prompts_per_step=2),

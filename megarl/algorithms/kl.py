@@ -19,11 +19,12 @@ KL-in-loss is :func:`megarl.algorithms.losses.kl_loss`; KL-in-reward is
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
+from megarl.config.schema import KLEstimator
+
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 # exp(20) ~ 4.9e8: k3's exponential is evaluated on a log ratio capped here so that

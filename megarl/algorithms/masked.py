@@ -15,11 +15,12 @@ receive exactly zero gradient.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+from megarl.config.schema import AggregationMode
+
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 
 

@@ -19,14 +19,14 @@ masked positions get weight 0 in ``keep``. Shapes follow :mod:`megarl.algorithms
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 
 from megarl.algorithms.masked import masked_mean
+from megarl.config.schema import OffPolicyCorrection
 
-OffPolicyCorrection = Literal["none", "tis", "mis", "icepop"]
-OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "icepop")
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ the system: the same HF folder, the same prompts in the same order (the prompt l
 megarl's own data pipeline serves, fed to TRL unshuffled), the same chat template,
 group size, prompts per step, response length, sampling, learning rate, KL
 coefficient (k3 in the loss, as megarl), clipping, token-mean loss and reward
-(megarl's :class:`~megarl.trainer.rewards.RunReward`, so both score identically).
+(megarl's :class:`~megarl.rewards.combined.RunReward`, so both score identically).
 
 TRL generates with transformers' ``generate`` (``use_vllm=False``): TRL's vLLM mode
 needs CUDA. Importing this module imports nothing heavy; ``run_trl`` imports TRL.
@@ -141,7 +141,7 @@ def run_trl(cfg: RunConfig, steps: int, output_dir: Path, progress=print) -> Sys
 
     from megarl.data.tokenize import encode_prompt
     from megarl.rewards.base import RewardInput
-    from megarl.trainer.rewards import RunReward
+    from megarl.rewards.combined import RunReward
     from megarl.trainer.run import hf_folder
 
     settings = grpo_settings(cfg, steps, output_dir, cpu=not torch.cuda.is_available())

@@ -132,6 +132,8 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return _choice(value, typing.get_args(hint), where)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
         if value is None:
@@ -187,6 +189,17 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise ConfigError(f"{where}: unsupported field type {hint!r}")
+
+
+def _choice(value: Any, choices: tuple, where: str) -> Any:
+    """An enumerated field's value (``Literal[...]``), or one line naming the choices."""
+    if value in choices and type(value) is type(next(c for c in choices if c == value)):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and str(value) in choices:
+        return str(value)  # YAML's numbers for text choices, as for string fields
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
 
 
 def _build(cls: type[T], data: dict[str, Any], where: str = "") -> T:

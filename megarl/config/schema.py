@@ -9,10 +9,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-DTYPES = ("float32", "bfloat16", "float16")
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+# The enumerated settings: each field below is typed with one of these, and the loader refuses
+# any other value in one line naming the field and the choices (megarl.config.loader). The
+# extensible axes (algorithm, environment, reward term, tool, tool-call format, extractor) are
+# named by their registries instead, each with an import-path form for a recipe's own code.
+Dtype = Literal["float32", "bfloat16", "float16"]
+Fp8Format = Literal["e4m3", "hybrid"]
+Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
+RecomputeGranularity = Literal["none", "selective", "full"]
+RecomputeMethod = Literal["uniform", "block"]
+MoeLoadBalancing = Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"]
+TokenDropPolicy = Literal["probs", "position"]
+RolloutWeights = Literal["model", "fp8", "fp8_emulated"]
+PartialSamples = Literal["continue", "regenerate"]
+RolloutGranularity = Literal["batch", "group"]
+Credit = Literal["episode", "turn"]
+KLEstimator = Literal["k1", "k2", "k3"]
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "icepop"]
+Resume = Literal["auto", "never"]
+VerifySync = Literal["first", "every", "never"]
+Schedule = Literal["exact", "opportunistic"]
+CpuCores = Literal["auto", "bundle"]
+
+DTYPES: tuple[str, ...] = get_args(Dtype)
+FP8_FORMATS: tuple[str, ...] = get_args(Fp8Format)
+FP8_RECIPES: tuple[str, ...] = get_args(Fp8Recipe)
 
 
 @dataclass
@@ -61,9 +85,9 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = "float32"  # parameter / compute dtype: float32 | bfloat16 | float16
-    fp8: str | None = None  # Transformer Engine FP8 format (GPU only): e4m3 | hybrid
-    fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 | blockwise
+    dtype: Dtype = "float32"  # parameter / compute dtype
+    fp8: Fp8Format | None = None  # Transformer Engine FP8 format (GPU only)
+    fp8_recipe: Fp8Recipe = "delayed"
     fp8_amax_history_len: int = 1024
 
 
@@ -95,8 +119,8 @@ class OptimizerConfig:
     offload_fraction: float = 1.0  # of the optimizer state, when cpu_offload
 
 
-RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
+RECOMPUTE_METHODS: tuple[str, ...] = get_args(RecomputeMethod)
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts")
 
 
@@ -110,14 +134,14 @@ class RecomputeConfig:
     the first ``num_layers`` layers of each stage and keeps the rest.
     """
 
-    granularity: str = "none"  # none | selective | full
-    method: str = "uniform"  # full only: uniform | block
+    granularity: RecomputeGranularity = "none"
+    method: RecomputeMethod = "uniform"  # full only
     num_layers: int = 1  # full only: layers per unit (uniform) or layers recomputed per stage (block)
     modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective only
 
 
-MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
-MOE_TOKEN_DROP_POLICIES = ("probs", "position")
+MOE_LOAD_BALANCING: tuple[str, ...] = get_args(MoeLoadBalancing)
+MOE_TOKEN_DROP_POLICIES: tuple[str, ...] = get_args(TokenDropPolicy)
 
 
 @dataclass
@@ -138,11 +162,11 @@ class MoeConfig:
     routings whose own top-k would have differed.
     """
 
-    load_balancing: str = "none"  # none | aux_loss | seq_aux_loss | global_aux_loss
+    load_balancing: MoeLoadBalancing = "none"
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float | None = None
     capacity_factor: float | None = None  # None: no token dropping
-    token_drop_policy: str = "probs"  # probs | position
+    token_drop_policy: TokenDropPolicy = "probs"
     pad_to_capacity: bool = False  # pad each expert's input to its capacity (fixed shapes)
     routing_replay: bool = False  # R3: route as the rollout engine did (the actor)
 
@@ -190,7 +214,7 @@ class RoleConfig:
 class RolloutConfig:
     tp: int = 1
     engines: int = 1
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     max_model_len: int = 1024
     max_num_seqs: int = 64
     kv_cache_gib: int = 1  # CPU only
@@ -206,19 +230,19 @@ class RolloutConfig:
     # amax / 448 per tensor, or per 128 x 128 block with fp8_block: 128) and multiplies in FP8
     # (rollout.dtype bfloat16 or float16); "fp8_emulated": the same rounding of the weights, kept
     # dequantized in the rollout dtype (megarl.rollout.fp8; any dtype, any block size, MoE too).
-    weights: str = "model"  # model | fp8 | fp8_emulated
+    weights: RolloutWeights = "model"
     fp8_block: int | None = None  # None: one scale per tensor
     # trainer.schedule=opportunistic: what a weight sync does to samples still generating.
     # continue: they go on from their tokens under the new weights (each token keeps its version);
     # regenerate: they start over under the new weights (megarl.trainer.partial_rollouts).
-    partial: str = "continue"  # continue | regenerate
+    partial: PartialSamples = "continue"
     # What goes to and comes back from an engine at a time. batch: an engine's share of the batch,
     # one vLLM generate call. group: each engine gets the groups its running batch holds, then the
     # next group whenever one of its own finishes, and each group comes back as soon as its samples
     # do, so the rollout service decodes and scores it while the others generate (slow rewards:
     # remote judges, sandboxes). The same samples either way. Under trainer.schedule=opportunistic
     # (single-turn) an interruption cuts the groups in flight short; they continue after the sync.
-    granularity: str = "batch"  # batch | group
+    granularity: RolloutGranularity = "batch"
     # MoE: vLLM's expert parallelism (enable_expert_parallel): each engine rank holds E / tp whole
     # experts instead of a tp slice of every expert; the weight sync sends each rank its experts
     expert_parallel: bool = False
@@ -281,7 +305,7 @@ class EvalConfig:
 
 @dataclass
 class RewardTermConfig:
-    kind: str = "reasoning_gym"  # reasoning_gym | math_verify | format | remote | model
+    kind: str = "reasoning_gym"  # reasoning_gym | math_verify | format | remote | model | package.module:name
     weight: float = 1.0
     # Scores held-out evaluation only: logged on training batches as reward/<kind> but adds
     # nothing to the training reward (a task's verifier watching a run that trains on a reward model).
@@ -291,6 +315,7 @@ class RewardTermConfig:
     timeout_s: float = 30.0
     max_retries: int = 3
     max_concurrency: int = 4
+    options: dict = field(default_factory=dict)  # kind package.module:name: its keyword arguments
 
 
 @dataclass
@@ -322,7 +347,7 @@ class EnvConfig:
     # episode: every policy token of an episode gets the episode's advantage (its rewards summed);
     # turn: a turn's tokens get only the rewards from that turn on, so a reward the environment
     # gave for an earlier turn credits that turn alone (reward-to-go, the group's baseline).
-    credit: str = "episode"
+    credit: Credit = "episode"
     max_concurrent_episodes: int = 64  # per engine
     # Episodes overlap: while one waits for a tool, the others generate. False: every turn waits
     # for all episodes' tools before any generates again (for measuring what overlap buys).
@@ -353,7 +378,7 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, str | float | bool | None]] = {
 class AlgorithmConfig:
     name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo | cispo (megarl.algorithms.registry)
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = "k3"
     kl_in_reward: bool = False  # else a KL term in the policy loss
     # The policy ratio's clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
     # clip-higher. None: the algorithm's default (ALGORITHM_DEFAULTS).
@@ -361,7 +386,7 @@ class AlgorithmConfig:
     clip_high: float | None = None
     dual_clip: float | None = None
     entropy_coef: float = 0.0
-    aggregation: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum; None: the algorithm's
+    aggregation: AggregationMode | None = None  # None: the algorithm's
     norm_std: bool | None = None  # group-relative advantages divided by the group's std; None: the algorithm's
     gamma: float = 1.0
     lam: float = 0.95
@@ -374,7 +399,7 @@ class AlgorithmConfig:
     # Rollout/trainer mismatch correction of the policy gradient (megarl.algorithms.off_policy):
     # none | tis (token weights min(r, is_cap)) | mis (drop sequences whose geometric-mean ratio
     # leaves [is_low, is_high]) | icepop (drop tokens whose ratio leaves it); r = pi_old / mu.
-    off_policy_correction: str = "none"
+    off_policy_correction: OffPolicyCorrection = "none"
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0
@@ -389,8 +414,8 @@ class AlgorithmConfig:
 class TrainerConfig:
     steps: int = 20
     save_every: int = 0  # 0: only at the end
-    resume: str = "auto"  # auto: continue from the run directory's last checkpoint; never
-    verify_sync: str = "first"  # first | every | never: check vLLM logprobs against the actor's
+    resume: Resume = "auto"  # auto: continue from the run directory's last checkpoint; never
+    verify_sync: VerifySync = "first"  # check vLLM logprobs against the actor's
     verify_tolerance: float = 1e-3
     bucket_mib: float = 256.0
     tensorboard: bool = True
@@ -408,12 +433,12 @@ class TrainerConfig:
     # flight, and a run is the same function of its seed whatever the timing (resume is bitwise).
     # opportunistic: the sync interrupts generation instead of waiting (rollout.partial says what
     # happens to unfinished samples); a sample's tokens may span versions, the oldest within k.
-    schedule: str = "exact"  # exact | opportunistic
+    schedule: Schedule = "exact"
     # CPU only: the cores each rank and engine computes on. auto: in lockstep (max_staleness 0)
     # all the node's, as one side computes while the other waits; ahead, each its bundle's CPUs
     # (both compute at once). bundle: its bundle's CPUs always, the placement fixed whatever k
     # (`megarl bench async` compares k = 0 and k = 1 so on the same cores).
-    cpu_cores: str = "auto"  # auto | bundle
+    cpu_cores: CpuCores = "auto"
     # PPO: the first N steps update the critic only, the actor waits. A critic started from a
     # reward model predicts the score of a finished answer at every token, not the value of a
     # partial one: its first advantages would push the actor around with that error.

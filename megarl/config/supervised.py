@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from megarl.config.schema import RoleConfig
+from megarl.config.schema import Resume, RoleConfig
 
-STAGES = ("sft", "rm", "dpo")
-DPO_LOSSES = ("sigmoid", "ipo", "kto")
+Stage = Literal["sft", "rm", "dpo"]
+DpoLoss = Literal["sigmoid", "ipo", "kto"]
+STAGES: tuple[str, ...] = get_args(Stage)
+DPO_LOSSES: tuple[str, ...] = get_args(DpoLoss)
 
 
 @dataclass
 class DpoConfig:
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid | ipo | kto (unpaired: megarl.algorithms.kto)
+    loss_type: DpoLoss = "sigmoid"  # kto: unpaired (megarl.algorithms.kto)
     label_smoothing: float = 0.0  # conservative DPO (sigmoid only): the chance a pair's label is wrong
     # The reference's log-probs of every pair computed once at the start, after which the reference
     # group stops (its memory and processes freed); false: the reference scores each step's batch.
@@ -73,7 +76,7 @@ class SupervisedTrainerConfig:
     epochs: int = 1
     eval_every: int = 0  # steps between held-out evaluations (0: before the first and after the last)
     checkpoint_every: int = 0  # steps between checkpoints (0: after the last only)
-    resume: str = "auto"  # auto: continue from output_dir's latest checkpoint | never
+    resume: Resume = "auto"  # auto: continue from output_dir's latest checkpoint; never
     tensorboard: bool = True
     step_timeout_s: float = 1800.0
     collective_timeout_s: float = 600.0

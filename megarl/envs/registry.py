@@ -17,19 +17,19 @@ ENV_KINDS = ("single_turn", "tools", "remote")
 def environment_factory(env: EnvConfig, rewards: list[RewardTermConfig]) -> Callable[[], Environment]:
     """Builds what every episode shares (tools, parser, reward scorers) once, and returns the
     maker of one episode's environment."""
-    from megarl.rewards.terms import WeightedText
+    from megarl.rewards.combined import RunReward
 
     if env.kind == "single_turn":
         from megarl.envs.single_turn import SingleTurnEnvironment
 
-        reward = WeightedText(rewards)
+        reward = RunReward(rewards)
         return lambda: SingleTurnEnvironment(reward)
     if env.kind == "tools":
         from megarl.envs.tool_env import ToolEnvironment
         from megarl.envs.tool_parsers.registry import build_parser
         from megarl.envs.tools.registry import build_tool
 
-        reward = WeightedText(rewards)
+        reward = RunReward(rewards)
         tools = [build_tool(t.name, t.options) for t in env.tools]
         parser = build_parser(env.tool_parser)
         return lambda: ToolEnvironment(tools, parser, reward, env.tool_call_reward)
@@ -51,7 +51,7 @@ def custom_environment(env: EnvConfig, rewards: list[RewardTermConfig]) -> Calla
     here, so a missing method or a bad option is refused before any episode runs."""
     import inspect
 
-    from megarl.rewards.terms import WeightedText
+    from megarl.rewards.combined import RunReward
     from megarl.utils.imports import load_object
 
     cls = load_object(env.kind)
@@ -59,7 +59,7 @@ def custom_environment(env: EnvConfig, rewards: list[RewardTermConfig]) -> Calla
         raise ValueError(f"env.kind {env.kind!r} is not a class")
     options = dict(env.options)
     if "reward" in inspect.signature(cls).parameters:
-        options["reward"] = WeightedText(rewards)
+        options["reward"] = RunReward(rewards)
     try:
         probe = cls(**options)
     except TypeError as exc:

@@ -1,4 +1,4 @@
-"""Rewards: verifiable rule-based scorers and remote HTTP scorers (a run weighs them: megarl.trainer.rewards)."""
+"""Rewards: rule-based and remote HTTP scorers, weighed into one reward by megarl.rewards.combined."""
 
 from megarl.rewards.base import RewardFn, RewardInput, check_rewards
 from megarl.rewards.extract import EXTRACTORS, resolve_extractor

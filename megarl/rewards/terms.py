@@ -1,10 +1,15 @@
 """A reward term of the config as a reward function: one place that maps ``rewards[i].kind`` to
-its scorer, for the driver's batched scoring and for environments that score final answers."""
+its scorer, for the driver's batched scoring and for environments that score final answers.
+
+A recipe's own scorer is ``kind: package.module:name`` (as environments are named): a function
+``fn(samples: list[RewardInput]) -> list[float]`` called with ``options`` as keyword arguments,
+or a class made once with ``options`` whose instances are such functions."""
 
 from __future__ import annotations
 
 from megarl.config.schema import RewardTermConfig
-from megarl.rewards.base import RewardFn, RewardInput, check_rewards
+from megarl.rewards.base import RewardFn
+from megarl.utils.imports import is_import_path, load_object
 
 REWARD_KINDS = ("reasoning_gym", "math_verify", "format", "remote", "model")
 
@@ -23,19 +28,29 @@ def build_term(term: RewardTermConfig) -> RewardFn:
     if term.kind == "remote":
         return RemoteReward(term.url, timeout_s=term.timeout_s, max_retries=term.max_retries,
                             max_concurrency=term.max_concurrency)
-    raise ValueError(f"reward kind {term.kind!r} must be one of {', '.join(REWARD_KINDS)}")
+    if is_import_path(term.kind):
+        return custom_term(term)
+    raise ValueError(f"reward kind {term.kind!r} must be one of {', '.join(REWARD_KINDS)} (or package.module:name)")
 
 
-class WeightedText:
-    """The weighted sum of the text terms (a ``model`` term is skipped: it needs the driver's
-    reward-model group), as one ``RewardFn``."""
+def custom_term(term: RewardTermConfig) -> RewardFn:
+    """``term.kind``'s function or an instance of its class, with ``term.options``; a name that
+    does not import, options that do not fit, or something not callable is one ValueError line."""
+    import functools
+    import inspect
 
-    def __init__(self, terms: list[RewardTermConfig]):
-        self.scored = [(t, build_term(t)) for t in terms if t.kind != "model"]
-
-    def __call__(self, samples: list[RewardInput]) -> list[float]:
-        total = [0.0] * len(samples)
-        for i, (term, fn) in enumerate(self.scored):
-            values = check_rewards(fn(samples), len(samples), f"rewards[{i}] ({term.kind})")
-            total = [t + term.weight * v for t, v in zip(total, values, strict=True)]
-        return total
+    scorer = load_object(term.kind)
+    if inspect.isclass(scorer):
+        try:
+            scorer = scorer(**term.options)
+        except TypeError as exc:
+            raise ValueError(f"options do not fit {term.kind}: {exc}") from None
+    elif callable(scorer) and term.options:
+        try:
+            inspect.signature(scorer).bind_partial(None, **term.options)
+        except TypeError as exc:
+            raise ValueError(f"options do not fit {term.kind}: {exc}") from None
+        scorer = functools.partial(scorer, **term.options)
+    if not callable(scorer):
+        raise ValueError(f"{term.kind} is not callable: a reward term maps a list of samples to their rewards")
+    return scorer

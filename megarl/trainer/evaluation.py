@@ -32,10 +32,10 @@ from megarl.config.schema import EvalConfig, EvalSetConfig, RunConfig
 from megarl.data.prompts import PromptItem, prompt_dataset
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
+from megarl.rewards.combined import RunReward
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.remote import episode_item, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
-from megarl.trainer.rewards import RunReward
 from megarl.utils.abort import wait_all
 
 METRICS = ("accuracy", "mean_at_k", "pass_at_k", "reward_mean", "response_length_mean", "tool_call_fraction",

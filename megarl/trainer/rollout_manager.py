@@ -24,6 +24,7 @@ from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
 from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
+from megarl.rewards.combined import RunReward
 from megarl.rollout.episodes import EpisodeRequest, Trajectory
 from megarl.rollout.group_streams import (
     GroupStreams,
@@ -37,7 +38,6 @@ from megarl.trainer import partial_episodes, partial_rollouts
 from megarl.trainer.batch import RolloutBatch, build_batch, turn_reward_tensor
 from megarl.trainer.partial_episodes import PartialEpisodes
 from megarl.trainer.partial_rollouts import PartialRollout
-from megarl.trainer.rewards import RunReward
 from megarl.utils.abort import wait_all
 
 # Sampling seeds: one per step, distinct across steps and runs with different seeds.

@@ -27,7 +27,7 @@ import torch
 from megarl.config.schema import RunConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
-from megarl.trainer.rewards import RunReward
+from megarl.rewards.combined import RunReward
 from megarl.trainer.rollout_manager import Rollout, RolloutManager, rollout_turn_rewards, score_rollout
 from megarl.trainer.rollout_queue import RolloutQueue
 from megarl.utils.abort import wait_all
