@@ -683,7 +683,7 @@ def test_expert_tensor_parallel_layouts(mixtral_dir, llama_dir):
 
 
 def test_rollout_expert_parallelism_needs_moe_divisible_experts_and_a_gpu(mixtral_dir):
-    from megarl.validation.checks import expert_parallel_rollout_errors
+    from megarl.validation.rollout_checks import expert_parallel_rollout_errors
 
     cfg = actor_run(mixtral_dir, ep=2, world_size=2)  # 4 experts
     cfg.rollout.expert_parallel = True
@@ -700,7 +700,7 @@ def test_rollout_expert_parallelism_needs_moe_divisible_experts_and_a_gpu(mixtra
 
 
 def test_vllm_fp8_rollout_needs_bf16_dense_and_128_blocks_with_their_gemms(mixtral_dir, llama_dir):
-    from megarl.validation.checks import fp8_rollout_errors
+    from megarl.validation.rollout_checks import fp8_rollout_errors
 
     cfg = actor_run(llama_dir)
     arch = validate_run(cfg, CPU)["actor"]

@@ -79,7 +79,7 @@ def test_mxfp8_is_refused_below_blackwell(monkeypatch, capability, refused):
     import torch
 
     from megarl.config.schema import PrecisionConfig
-    from megarl.validation.checks import precision_errors
+    from megarl.validation.role_checks import precision_errors
 
     te = Platform(name="cuda", backend="nccl", has_transformer_engine=True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -103,7 +103,7 @@ def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_meas
         start = tmp_path / "lm-ckpt"
         assert main(["convert", "hf-to-mcore", "--hf", str(policy), "--out", str(start)]) == 0
         from megarl.models.hf_arch import arch_from_hf_dir
-        from megarl.validation.checks import weights_errors
+        from megarl.validation.role_checks import weights_errors
 
         # as `megarl train`'s reward model, a language model's checkpoint is refused before start
         (error,) = weights_errors("reward_model", str(start), arch_from_hf_dir(policy))

@@ -15,8 +15,9 @@ import pytest
 
 from megarl.envs.tools.base import ToolResult
 from megarl.envs.tools.calculator import Calculator
-from megarl.envs.tools.python_sandbox import PythonSandbox, SandboxLimits
+from megarl.envs.tools.python_sandbox import PythonSandbox
 from megarl.envs.tools.registry import TOOL_NAMES, build_tool
+from megarl.envs.tools.sandbox.process import SandboxLimits
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT_BYTES = 1000

@@ -84,7 +84,7 @@ _RANGES = (
 
 def range_problem(args: argparse.Namespace) -> str | None:
     """The first option out of its range, as '--flag=value must be ...'; None when all are fine."""
-    from megarl.validation.checks import out_of_range
+    from megarl.validation.ranges import out_of_range
 
     for flag, dest, interval in _RANGES:
         problem = out_of_range(flag, getattr(args, dest, None), interval)

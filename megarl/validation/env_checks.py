@@ -14,7 +14,7 @@ CREDITS = ("episode", "turn")  # env.credit
 
 
 def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
-    """(field, value, interval) of every env number, for ``checks.out_of_range``."""
+    """(field, value, interval) of every env number, for ``ranges.out_of_range``."""
     env = cfg.env
     if env is None:
         return []

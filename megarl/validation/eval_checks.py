@@ -16,7 +16,7 @@ _NAME_FORBIDDEN = "/ \t\n"
 
 
 def eval_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
-    """(field, value, interval) of every eval number, for ``checks.out_of_range``."""
+    """(field, value, interval) of every eval number, for ``ranges.out_of_range``."""
     checks: list[tuple[str, float | None, str]] = [
         ("eval.every", cfg.eval.every, "[0, inf)"),
         ("eval.correct_threshold", cfg.eval.correct_threshold, "(-inf, inf)"),

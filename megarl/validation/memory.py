@@ -1,6 +1,6 @@
 """Checks of a role's memory savers: activation recompute and optimizer CPU offload.
 
-Kept apart from ``validate`` so the rules for these fields sit in one place; every
+Kept in a module of their own so the rules for these fields sit in one place; every
 message names the dotted field, as the other checks do.
 """
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from megarl.config.supervised import STAGES, SupervisedConfig
 from megarl.platform import Platform, current_platform
-from megarl.validation.checks import out_of_range, output_dir_errors, refuse, role_model_errors
+from megarl.validation.checks import output_dir_errors, refuse
+from megarl.validation.ranges import out_of_range
+from megarl.validation.role_checks import role_model_errors
 
 
 def _ranges(cfg: SupervisedConfig) -> list[str]:

@@ -1,0 +1,140 @@
+"""Checks of what an RL run combines: algorithm, rewards, data, batch sizes and the trainer's
+schedule; every message names the dotted field."""
+
+from __future__ import annotations
+
+from megarl.config.schema import DTYPES, RunConfig
+from megarl.models.hf_arch import ModelArch
+
+TEXT_REWARD_KINDS = ("reasoning_gym", "math_verify", "format")  # the rewards that read an answer extractor
+
+
+def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
+    """Algorithm, rewards, rollout, data and batch sizes that cannot run together."""
+    from pathlib import Path
+
+    from megarl.algorithms.registry import algorithm_errors
+    from megarl.cluster.placement import placement_errors
+    from megarl.rewards.extract import resolve_extractor
+    from megarl.rewards.remote import url_problem
+    from megarl.rewards.terms import REWARD_KINDS
+    from megarl.rollout.vllm_layout import vllm_padded_vocab
+
+    algo, rollout, data = cfg.algorithm, cfg.rollout, cfg.data
+    # the algorithm's own rules and those every algorithm shares (megarl.algorithms.base.Algorithm.validate)
+    errors = algorithm_errors(cfg)
+    for i, term in enumerate(cfg.rewards):
+        if term.kind not in REWARD_KINDS:
+            errors.append(f"rewards[{i}].kind={term.kind!r} must be one of {', '.join(REWARD_KINDS)}")
+        if term.kind == "model" and cfg.reward_model is None:
+            errors.append(f"rewards[{i}].kind='model' needs a reward_model role")
+        if term.kind == "remote":
+            problem = url_problem(term.url) if term.url else "is required for a remote reward"
+            if problem:
+                errors.append(f"rewards[{i}].url={term.url!r} {problem}" if term.url else
+                              f"rewards[{i}].url {problem}")
+        if term.kind in TEXT_REWARD_KINDS:
+            try:
+                resolve_extractor(term.extractor)
+            except ValueError as e:
+                errors.append(f"rewards[{i}].extractor: {e}")
+    if not cfg.rewards:
+        errors.append("rewards: at least one reward term is needed")
+    elif all(term.eval_only for term in cfg.rewards):
+        errors.append("rewards: every term is eval_only, so nothing rewards training")
+    for i, term in enumerate(cfg.rewards):
+        if term.eval_only and term.kind == "model":
+            errors.append(f"rewards[{i}]: a model term cannot be eval_only (the reward model scores training "
+                          "batches only)")
+    if actor.num_heads % rollout.tp or vllm_padded_vocab(actor.vocab_size) % rollout.tp:
+        errors.append(f"rollout.tp={rollout.tp} does not divide the attention heads ({actor.num_heads}) or vLLM's "
+                      f"padded vocabulary ({vllm_padded_vocab(actor.vocab_size)})")
+    if rollout.engines < 1 or data.prompts_per_step < rollout.engines:
+        errors.append(f"rollout.engines={rollout.engines} must be >= 1 and <= data.prompts_per_step")
+    if data.max_prompt_len + rollout.max_tokens > rollout.max_model_len:
+        errors.append(f"data.max_prompt_len + rollout.max_tokens = {data.max_prompt_len + rollout.max_tokens} "
+                      f"exceeds rollout.max_model_len={rollout.max_model_len}")
+    sequences = data.prompts_per_step * rollout.n
+    for name, role in cfg.roles().items():
+        dp = role.parallel.data_parallel_size
+        per_rank = sequences // dp if sequences % dp == 0 else None
+        steps = algo.minibatches if name in ("actor", "critic") else 1
+        # cut or packed micro-batches take any number of sequences; fixed ones a multiple
+        trimmed = role.max_tokens_per_microbatch is not None or role.pack_sequences or role.share_prompt
+        fixed = 1 if trimmed else role.micro_batch_size
+        if per_rank is None or per_rank % (steps * fixed):
+            errors.append(f"{name}: {sequences} sequences per step (data.prompts_per_step x rollout.n) must split "
+                          f"over dp={dp} ranks into {steps} minibatch(es)"
+                          + (f" of micro_batch_size={role.micro_batch_size}" if fixed > 1 else ""))
+    if rollout.dtype not in DTYPES:
+        errors.append(f"rollout.dtype={rollout.dtype!r} must be one of {', '.join(DTYPES)}")
+    if algo.overlong_buffer > rollout.max_tokens:
+        errors.append(f"algorithm.overlong_buffer={algo.overlong_buffer} is longer than the responses "
+                      f"(rollout.max_tokens={rollout.max_tokens})")
+    if data.source.startswith("reasoning_gym:"):
+        import reasoning_gym
+
+        task = data.source.split(":", 1)[1]
+        if task not in reasoning_gym.factory.DATASETS:
+            errors.append(f"data.source: reasoning-gym has no task {task!r}")
+    elif not Path(data.source).is_file():
+        errors.append(f"data.source: {data.source} does not exist")
+    if cfg.trainer.cpu_cores not in ("auto", "bundle"):
+        errors.append(f"trainer.cpu_cores={cfg.trainer.cpu_cores!r} must be auto or bundle")
+    if cfg.trainer.verify_sync not in ("first", "every", "never"):
+        errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
+    if cfg.trainer.resume not in ("auto", "never"):
+        errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
+    if cfg.trainer.critic_warmup > 0 and cfg.critic is None:
+        errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.name: ppo)")
+    elif cfg.trainer.critic_warmup >= cfg.trainer.steps > 0:
+        errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} leaves no step of trainer.steps="
+                      f"{cfg.trainer.steps} to train the actor")
+    if cfg.trainer.max_staleness > 0 and cfg.rollout.colocate_with is not None:
+        # colocated, vLLM and the roles take turns on the same device: nothing to overlap
+        errors.append(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout on its own resources, but "
+                      f"rollout.colocate_with={cfg.rollout.colocate_with!r}; colocated runs are synchronous "
+                      "(max_staleness: 0)")
+    return errors + schedule_errors(cfg) + placement_errors(cfg)
+
+
+def schedule_errors(cfg: RunConfig) -> list[str]:
+    """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
+    something to overlap."""
+    tr, errors = cfg.trainer, []
+    if tr.schedule not in ("exact", "opportunistic"):
+        errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
+    if cfg.rollout.partial not in ("continue", "regenerate"):
+        errors.append(f"rollout.partial={cfg.rollout.partial!r} must be continue or regenerate")
+    if tr.schedule == "opportunistic" and tr.max_staleness < 1:
+        errors.append("trainer.schedule=opportunistic needs trainer.max_staleness >= 1 (at 0 nothing generates "
+                      "while the actor trains, so there is nothing to interrupt)")
+    granularity = cfg.rollout.granularity
+    if granularity not in ("batch", "group"):
+        errors.append(f"rollout.granularity={granularity!r} must be batch or group")
+    return errors
+
+
+def data_errors(cfg: RunConfig) -> list[str]:
+    """The prompts, read as the run will read them: every row of a file, or reasoning-gym's task options."""
+    data = cfg.data
+    if data.source.startswith("reasoning_gym:"):
+        import reasoning_gym
+
+        task = data.source.split(":", 1)[1]
+        try:
+            # one entry: the task's own config checks run on construction
+            reasoning_gym.create_dataset(task, size=1, seed=data.seed, **data.task_config)
+        except Exception as e:  # noqa: BLE001 - a third-party task refuses its options with any exception type
+            return [f"data.task_config: reasoning-gym task {task!r} refuses it: {' '.join(str(e).split())}"]
+        return []
+    from megarl.data.prompts import load_prompts
+
+    try:
+        items = load_prompts(data.source, prompt_key=data.prompt_key)
+    except (ValueError, OSError, ImportError) as e:
+        return [f"data.source: {' '.join(str(e).split())}"]
+    if len(items) < data.prompts_per_step:
+        return [f"data.prompts_per_step={data.prompts_per_step} is more than the {len(items)} prompts in "
+                f"{data.source}"]
+    return []
