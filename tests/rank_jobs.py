@@ -113,7 +113,7 @@ def _scenario_adam_step_state(dense: str, moe: str) -> None:
         megatron_model.load("shim", dense, ParallelConfig(tp=2, world_size=2))
         megatron_model.lm_train_step("shim", torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0)))
         checkpoint_fns.save("shim", directory, dense)
-        checkpoint_fns.load("shim", directory, optim=vars(OptimizerConfig()))
+        checkpoint_fns.load("shim", directory, optim=OptimizerConfig())
     finally:
         megatron_model.unload("shim")
         dist.barrier()

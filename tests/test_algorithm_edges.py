@@ -312,7 +312,7 @@ def rank_loss(monkeypatch):
     monkeypatch.setattr(rl_fns, "_per_label", lambda x, mb: mb["v"])
 
     def get(fn, aggregation: str, **algo):
-        return fn("actor", {"old_logprobs": None}, vars(AlgorithmConfig(aggregation=aggregation, **algo)),
+        return fn("actor", {"old_logprobs": None}, AlgorithmConfig(aggregation=aggregation, **algo),
                   {}, micro_batch_size=1)
 
     return rl_fns, get

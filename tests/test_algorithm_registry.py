@@ -142,5 +142,5 @@ def test_the_driver_combines_shards_as_the_ranks_declare():
     metrics, per_token = role.train(lambda **_: None, {}, algo)
     assert metrics == {"actor/pg_loss": 0.5, "actor/clip_fraction": 0.25, "actor/grad_norm": 2.0}
     assert per_token is None
-    assert seen["algo"] is algo  # the dataclass itself crosses to the ranks
+    assert seen["algo"] is algo and seen["optim"] is role.cfg.optim  # the dataclasses themselves cross to the ranks
     assert combine([1.0, 2.0], "same") == 1.0 and combine([1.0, 2.0], "sum") == 3.0

@@ -115,7 +115,7 @@ def test_cuda_sft_and_dpo_steps_equal_their_oracles(pools, te_model):
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), tokens[:, 1:].reshape(-1), reduction="none")
     expected = (nll * mask.reshape(-1)).sum() / mask.sum()
     batch = {"tokens": tokens, "mask": mask, "seq_lens": torch.full((4,), 48), "denoms": [float(mask.sum())]}
-    optim = vars(OptimizerConfig(lr=1e-4))
+    optim = OptimizerConfig(lr=1e-4)
     sft = _one(pools.get(1).run(rank_jobs.preference_step, kind="sft", model_dir=str(te_model),
                                 parallel=ParallelConfig(), batch=batch, optim=optim))["steps"][0]
     assert abs(sft["sft_loss"] - expected.item()) <= 1e-4, (sft, expected.item())
@@ -154,8 +154,8 @@ def test_cuda_packing_matches_the_padded_path(pools, tiny_models, tiny_reward_mo
     batch["denoms"] = [batch["mask"].sum().item()]
     out = _one(pools.get(1).run(rank_jobs.packing_vs_padded, hf_dir=str(tiny_models["llama"]),
                                 reward_dir=str(tiny_reward_model), parallel=ParallelConfig(), batch=batch,
-                                algo=vars(AlgorithmConfig(name="grpo", entropy_coef=0.01)),
-                                optim=vars(OptimizerConfig(lr=1.0, adam_eps=1.0)), budget=48))
+                                algo=AlgorithmConfig(name="grpo", entropy_coef=0.01),
+                                optim=OptimizerConfig(lr=1.0, adam_eps=1.0), budget=48))
     assert out["train/params_moved"] > 1e-3, out
     for name, diff in out.items():
         if name != "train/params_moved":

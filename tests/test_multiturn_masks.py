@@ -81,8 +81,8 @@ def test_observation_tokens_leave_the_loss_kl_and_entropy_at_every_layout(pools,
     for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, pp=2, world_size=4)):
         pool = pools.get(4)
         pool.run(megatron_model.load, key="actor", source=hf, parallel=par)
-        results = [r for r in pool.run(rl_fns.train_policy, key="actor", batch=rank_batch, algo=vars(algo),
-                                       optim=vars(OptimizerConfig(lr=1e-5)), micro_batch_size=1) if r is not None]
+        results = [r for r in pool.run(rl_fns.train_policy, key="actor", batch=rank_batch, algo=algo,
+                                       optim=OptimizerConfig(lr=1e-5), micro_batch_size=1) if r is not None]
         pool.run(megatron_model.unload, key="actor")
         steps = [r["steps"][0] for r in results]
         for name, value in expected.items():  # each data-parallel shard reports its share of the mean

@@ -25,7 +25,7 @@ LAYOUTS = [ParallelConfig(world_size=1), ParallelConfig(tp=2, pp=2, world_size=4
 CP_LAYOUTS = [ParallelConfig(cp=2, world_size=2),
               ParallelConfig(tp=2, cp=2, pp=1, sequence_parallel=True, world_size=4)]
 SUMS = [(1, 2), (3, 4), (5, 6), (7, 8)]
-OPTIM = vars(OptimizerConfig(lr=1e-4))
+OPTIM = OptimizerConfig(lr=1e-4)
 
 
 def _pairs() -> list[dict]:

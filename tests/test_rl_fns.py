@@ -70,8 +70,8 @@ def test_policy_update_matches_transformers_at_every_layout(pools, tiny_models):
     loss_hf, norm_hf, lp_hf = _hf_policy_loss_and_grad_norm(hf, batch)
     batch["old_logprobs"] = lp_hf * batch["mask"]
     batch["denoms"] = [batch["mask"].sum().item()]
-    algo = vars(AlgorithmConfig(name="grpo"))
-    optim = vars(OptimizerConfig(lr=1e-5))
+    algo = AlgorithmConfig(name="grpo")
+    optim = OptimizerConfig(lr=1e-5)
     on_policy = {k: v for k, v in batch.items() if k != "old_logprobs"}
     on_policy["select_mask"] = batch["mask"]
     for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, world_size=4),
@@ -135,10 +135,10 @@ def test_token_budget_and_packing_match_the_padded_path(par, pools, tiny_models,
     batch["old_logprobs"] = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
         * batch["mask"]
     batch["denoms"] = [batch["mask"].sum().item()]
-    algo = vars(AlgorithmConfig(name="grpo", entropy_coef=0.01))
+    algo = AlgorithmConfig(name="grpo", entropy_coef=0.01)
     # adam_eps=1: the first step moves each weight by g / (|g| + 1), close to linear in its
     # gradient, so equal updated weights mean equal gradients, not just equal signs.
-    optim = vars(OptimizerConfig(lr=1.0, adam_eps=1.0))
+    optim = OptimizerConfig(lr=1.0, adam_eps=1.0)
     results = [r for r in pools.get(4).run(rank_jobs.packing_vs_padded, hf_dir=hf, reward_dir=str(tiny_reward_model),
                                            parallel=par, batch=batch,
                                            algo=algo, optim=optim, budget=48) if r is not None]

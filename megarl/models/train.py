@@ -42,14 +42,11 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool = True) -> list:
     ]
 
 
-def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig | dict[str, Any]):
-    """megatron-core's Adam over the DDP-wrapped chunks, from a role's ``optim`` config (or its
-    ``dataclasses.asdict``, as the rank functions receive it). ``warmup_steps`` is applied by the
-    caller, which sets the learning rate before each step."""
+def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig):
+    """megatron-core's Adam over the DDP-wrapped chunks, from a role's ``optim`` config.
+    ``warmup_steps`` is applied by the caller, which sets the learning rate before each step."""
     from megatron.core import optimizer as mcore_optimizer
 
-    if isinstance(cfg, dict):
-        cfg = OptimizerConfig(**cfg)
     config = ddp_chunks[0].config
     return mcore_optimizer.get_megatron_optimizer(
         mcore_optimizer.OptimizerConfig(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ class MegatronRole:
         """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
         self._run(megatron_model.load, key=self.name, source=self.source, parallel=self.cfg.parallel,
                   dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes,
-                  recompute=asdict(self.cfg.recompute), new_value_head=self.new_value_head, moe=self.cfg.moe)
+                  recompute=self.cfg.recompute, new_value_head=self.new_value_head, moe=self.cfg.moe)
 
     def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Any:
         return rl_fns.gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(),
@@ -53,7 +52,7 @@ class MegatronRole:
         steps; the per-token outputs it returned, in batch order, or None). Each metric combines over
         data-parallel shards as the rank declared it (``reduce``: summed partial sums, or the same
         on every rank; ``megarl.algorithms.base.Metric``)."""
-        shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=algo, optim=asdict(self.cfg.optim),
+        shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=algo, optim=self.cfg.optim,
                                        **self._batching()) if r is not None]
         reduce = shards[0]["reduce"]
         steps = []
@@ -78,7 +77,7 @@ class MegatronRole:
 
     def restore(self, directory: str, with_optimizer: bool) -> None:
         self._run(checkpoint_fns.load, key=self.name, ckpt_dir=directory,
-                  optim=asdict(self.cfg.optim) if with_optimizer else None)
+                  optim=self.cfg.optim if with_optimizer else None)
 
     def offload(self, parts: tuple[str, ...] = offload_fns.PARTS) -> int:
         """Moves ``parts`` (params, grads, optimizer) of every rank off its device; returns bytes freed."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.config.schema import OptimizerConfig
 from megarl.convert.checkpoint import (
     HF_DIR,
     forked_write_results_queue,
@@ -99,7 +100,7 @@ def save(key: str, out_dir: str, source: str) -> None:
     dist.barrier()
 
 
-def load(key: str, ckpt_dir: str, optim: dict | None) -> None:
+def load(key: str, ckpt_dir: str, optim: OptimizerConfig | None) -> None:
     """Restores weights and (with ``optim``) optimizer state into the held model."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 

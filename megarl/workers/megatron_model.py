@@ -42,10 +42,10 @@ def held(key: str) -> HeldModel:
 
 
 def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32", value_head: bool = False,
-         seed: int = 1234, timeout_minutes: int = 30, recompute: dict | RecomputeConfig | None = None,
+         seed: int = 1234, timeout_minutes: int = 30, recompute: RecomputeConfig | None = None,
          new_value_head: bool = False, moe: MoeConfig | None = None) -> dict:
     """Builds the model at ``parallel`` and fills it from an HF folder or a megarl checkpoint;
-    ``recompute`` is the role's activation recompute (a RecomputeConfig or its asdict), ``moe``
+    ``recompute`` is the role's activation recompute, ``moe``
     a MoE model's routing in training;
     ``new_value_head`` lets a value head that an HF language model lacks start from its init."""
     from megarl.convert.checkpoint import is_megarl_checkpoint, load_model
@@ -57,8 +57,6 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
 
     if key in state:
         unload(key)
-    if isinstance(recompute, dict):
-        recompute = RecomputeConfig(**recompute)
     path = str(resolve_model_path(source))
     context = megatron_parallel(parallel, seed=seed, timeout_minutes=timeout_minutes)
     info = context.__enter__()

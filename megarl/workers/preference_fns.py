@@ -24,6 +24,7 @@ from megarl.algorithms.bradley_terry import bradley_terry_loss
 from megarl.algorithms.dpo import PairLogprobs, dpo_loss
 from megarl.algorithms.kto import kto_loss
 from megarl.algorithms.sft import sft_loss
+from megarl.config.schema import OptimizerConfig
 from megarl.config.supervised import DpoConfig
 from megarl.workers import rl_fns
 from megarl.workers.megatron_model import held
@@ -55,7 +56,7 @@ def _pair_rows(mb: dict[str, Any]) -> None:
         raise ValueError("a micro-batch split a preference pair (rows must be chosen, rejected, chosen, ...)")
 
 
-def train_sft(key: str, batch: dict[str, Any], algo: None, optim: dict, micro_batch_size: int,
+def train_sft(key: str, batch: dict[str, Any], algo: None, optim: OptimizerConfig, micro_batch_size: int,
               max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
               share_prompt: bool = False):
     """One optimizer step of the completion tokens' mean NLL (``megarl.algorithms.sft``); ``algo``
@@ -73,7 +74,7 @@ def train_sft(key: str, batch: dict[str, Any], algo: None, optim: dict, micro_ba
                           pack_sequences, select=True, metrics=SFT_METRICS)
 
 
-def train_reward_model(key: str, batch: dict[str, Any], algo: None, optim: dict, micro_batch_size: int,
+def train_reward_model(key: str, batch: dict[str, Any], algo: None, optim: OptimizerConfig, micro_batch_size: int,
                        max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
                        share_prompt: bool = False):
     """One optimizer step of the Bradley-Terry loss on the value head's score of each answer's
@@ -93,7 +94,7 @@ def train_reward_model(key: str, batch: dict[str, Any], algo: None, optim: dict,
     return rl_fns._update(key, batch, optim, micro_batch_size, 1, 1, loss_fn, None, False, metrics=RM_METRICS)
 
 
-def train_dpo(key: str, batch: dict[str, Any], algo: DpoConfig, optim: dict, micro_batch_size: int,
+def train_dpo(key: str, batch: dict[str, Any], algo: DpoConfig, optim: OptimizerConfig, micro_batch_size: int,
               max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
               share_prompt: bool = False):
     """One optimizer step of ``algo``'s DPO loss; ``batch["ref_logprobs"]`` [B, L-1] are the
@@ -118,7 +119,7 @@ def train_dpo(key: str, batch: dict[str, Any], algo: DpoConfig, optim: dict, mic
                           metrics=DPO_METRICS)
 
 
-def train_kto(key: str, batch: dict[str, Any], algo: DpoConfig, optim: dict, micro_batch_size: int,
+def train_kto(key: str, batch: dict[str, Any], algo: DpoConfig, optim: OptimizerConfig, micro_batch_size: int,
               max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
               share_prompt: bool = False):
     """One optimizer step of the KTO loss (``megarl.algorithms.kto``) on unpaired rows: each row's

@@ -17,7 +17,7 @@ import torch
 
 from megarl.algorithms.base import VALUE_METRICS, Metric, PolicyMicroBatch, ValueMicroBatch, combine
 from megarl.algorithms.registry import get_algorithm
-from megarl.config.schema import AlgorithmConfig
+from megarl.config.schema import AlgorithmConfig, OptimizerConfig
 from megarl.models.context_parallel import CpSplit, sequence_multiple
 from megarl.models.logprobs import next_token_logprobs
 from megarl.models.vocab_parallel import vocab_parallel_stats
@@ -343,19 +343,19 @@ def scores(key: str, batch: RankBatch | dict[str, Any], micro_batch_size: int,
 # --- updates ------------------------------------------------------------------------------
 
 
-def ensure_optimizer(model: HeldModel, optim: dict) -> None:
+def ensure_optimizer(model: HeldModel, optim: OptimizerConfig) -> None:
     from megarl.models.train import build_optimizer, wrap_ddp
 
     if model.optimizer is None:
-        model.chunks = wrap_ddp(model.chunks, optim["use_distributed_optimizer"])
+        model.chunks = wrap_ddp(model.chunks, optim.use_distributed_optimizer)
         model.optimizer = build_optimizer(model.chunks, optim)
         model.extra["optimizer_steps"] = 0
 
 
-def _set_lr(model: HeldModel, optim: dict) -> float:
+def _set_lr(model: HeldModel, optim: OptimizerConfig) -> float:
     steps = model.extra["optimizer_steps"]
-    warmup = optim["warmup_steps"]
-    lr = optim["lr"] * min(1.0, (steps + 1) / warmup) if warmup > 0 else optim["lr"]
+    warmup = optim.warmup_steps
+    lr = optim.lr * min(1.0, (steps + 1) / warmup) if warmup > 0 else optim.lr
     for group in model.optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -367,13 +367,8 @@ PER_TOKEN = "per_token/"
 STEP_METRICS = (Metric("grad_norm", "same"), Metric("lr", "same"), Metric("skipped", "same"))
 
 
-def _config(algo: AlgorithmConfig | dict[str, Any]) -> AlgorithmConfig:
-    """The algorithm settings as the dataclass (the driver sends it; a plain dict of its fields works too)."""
-    return algo if isinstance(algo, AlgorithmConfig) else AlgorithmConfig(**algo)
-
-
-def _update(key: str, batch: RankBatch | dict[str, Any], optim: dict, micro_batch_size: int, minibatches: int,
-            epochs: int, loss_fn, max_tokens: int | None, pack: bool, select: bool = False,
+def _update(key: str, batch: RankBatch | dict[str, Any], optim: OptimizerConfig, micro_batch_size: int,
+            minibatches: int, epochs: int, loss_fn, max_tokens: int | None, pack: bool, select: bool = False,
             share: bool = False, metrics: tuple[Metric, ...] = ()) -> dict[str, Any] | None:
     """``epochs`` passes over ``minibatches`` optimizer steps on this rank's shard.
 
@@ -429,7 +424,7 @@ def _update(key: str, batch: RankBatch | dict[str, Any], optim: dict, micro_batc
     return {"steps": per_step, "per_token": per_token, "reduce": {name: reduce[name] for name in per_step[0]}}
 
 
-def train_policy(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
+def train_policy(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmConfig, optim: OptimizerConfig,
                  micro_batch_size: int, max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
                  share_prompt: bool = False):
     """The policy updates of ``algo``'s algorithm (its ``loss`` on each micro-batch) on ``batch``;
@@ -442,7 +437,7 @@ def train_policy(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmCon
     step's metrics."""
     from megarl.models.forward import rows_output
 
-    cfg = _config(algo)
+    cfg = algo
     algorithm = get_algorithm(cfg.name)
     vocab = held(key).spec.arch.vocab_size
     on_policy = "old_logprobs" not in _plain(batch)
@@ -472,13 +467,13 @@ def train_policy(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmCon
                    metrics=algorithm.loss_metrics())
 
 
-def train_value(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmConfig | dict[str, Any], optim: dict,
+def train_value(key: str, batch: RankBatch | dict[str, Any], algo: AlgorithmConfig, optim: OptimizerConfig,
                 micro_batch_size: int, max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
                 share_prompt: bool = False):
     """The critic's clipped value-loss updates towards ``batch["returns"]`` (``Algorithm.value_loss``)."""
     from megarl.models.forward import rows_output
 
-    cfg = _config(algo)
+    cfg = algo
     algorithm = get_algorithm(cfg.name)
 
     def loss_fn(output, mb):
