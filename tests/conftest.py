@@ -2,11 +2,22 @@
 
 Starting a rank costs several seconds of imports, so tests share a few pools for
 the whole session and switch megatron-core layouts inside them.
+
+Two tiers: a test that starts Ray, SPMD ranks, a vLLM engine or any other process is marked
+``integration``, from the fixtures it uses (``INTEGRATION_FIXTURES``, directly or through other
+fixtures); the rest are the fast tier, ``pytest -m "not integration"``. A test that is not marked
+and starts a process anyway fails with a message naming the fixture to use, so the fast tier
+stays fast and a new test cannot forget its marker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import multiprocessing.process
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +27,100 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB = 250  # not a multiple of 128: exercises vocab padding
 
+# The fixtures that start processes: Ray (and the engines and rank groups on it), SPMD rank pools,
+# and other programs (megarl's command line, any subprocess). A test that uses one, directly or
+# through a fixture of its own, is an integration test.
+INTEGRATION_FIXTURES = frozenset({"ray_session", "smollm2_engine", "groups", "actor4", "pools", "cli",
+                                  "subprocesses", "starts_processes"})
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (Transformer Engine, FP8, NCCL); skipped without it")
+    config.addinivalue_line("markers", "integration: starts Ray, SPMD ranks, a vLLM engine or a subprocess "
+                                       "(set from the fixtures a test uses); the inner loop is -m 'not integration'")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _looking_something_up() -> bool:
+    """Whether a program is being run to look something up, not as a test's work: by a module as it
+    is imported (cpuinfo runs `file`), or by ``ctypes.util.find_library`` (`ldconfig -p`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib") or (
+                code.co_name == "find_library" and code.co_filename.endswith(os.path.join("ctypes", "util.py"))):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@functools.cache
+def _ray():
+    """Ray, imported (0.5 s, once) so that its ``init`` can be refused; None without it."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray
+
+
+@contextlib.contextmanager
+def _no_processes(nodeid: str):
+    """Starting a process (subprocess, multiprocessing, fork, Ray) raises, naming the fixture to use."""
+
+    def refuse(what: str, fixture: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"test {nodeid} {what} but is not marked integration: use the {fixture} fixture")
+        return refused
+
+    own = " or, where the code under test starts it, `starts_processes`"
+    subprocess_fixture = "`cli` (megarl's command line), `subprocesses` (another program)" + own
+    refused_popen, popen_init = refuse("starts a subprocess", subprocess_fixture), subprocess.Popen.__init__
+
+    def popen(self, *args, **kwargs):
+        if _looking_something_up():
+            return popen_init(self, *args, **kwargs)
+        return refused_popen(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", popen)
+        for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+            if hasattr(os, name):
+                patch.setattr(os, name, refuse(f"starts a process (os.{name})", subprocess_fixture))
+        patch.setattr(multiprocessing.process.BaseProcess, "start",
+                      refuse("starts a multiprocessing process", "`pools` (shared SPMD ranks)" + own))
+        if (ray := _ray()) is not None:  # ray.init may join a running Ray: no process started here
+            patch.setattr(ray, "init", refuse("starts Ray", "`ray_session`" + own))
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    """Around the fixtures' setup too: a module's fixture starts at its first test's setup."""
+    if item.get_closest_marker("integration"):
+        return (yield)
+    with _no_processes(item.nodeid):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if item.get_closest_marker("integration"):
+        return (yield)
+    with _no_processes(item.nodeid):
+        return (yield)
 
 
 def _save(model, path: Path) -> Path:
@@ -213,6 +306,40 @@ class Pools:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+
+
+class Cli:
+    """megarl's command line as a user runs it, a process of its own: ``cli("convert", "--help")``
+    runs ``python -m megarl.cli.main convert --help`` to the end (output captured as text, keyword
+    arguments to ``subprocess.run``); ``cli.popen(...)`` starts it (``subprocess.Popen``)."""
+
+    argv = (sys.executable, "-m", "megarl.cli.main")
+
+    def __call__(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        if "stdout" not in kwargs and "stderr" not in kwargs:
+            kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run([*self.argv, *args], **kwargs)
+
+    def popen(self, *args: str, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen([*self.argv, *args], **kwargs)
+
+
+@pytest.fixture(scope="session")
+def cli() -> Cli:
+    return Cli()
+
+
+@pytest.fixture(scope="session")
+def subprocesses():
+    """The ``subprocess`` module, for a test that runs another program (an integration test)."""
+    return subprocess
+
+
+@pytest.fixture(scope="session")
+def starts_processes() -> None:
+    """Asked for by a test whose code under test starts processes itself (megarl's entry points
+    run in-process that start SPMD ranks or Ray, the python sandbox's programs): an integration test."""
 
 
 @pytest.fixture(scope="session")

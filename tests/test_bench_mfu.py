@@ -31,7 +31,7 @@ def test_bad_arguments_are_named_in_one_error():
         assert fragment in text
 
 
-def test_one_real_step_gives_a_finite_loss_and_the_mfu_from_the_given_peak(tmp_path):
+def test_one_real_step_gives_a_finite_loss_and_the_mfu_from_the_given_peak(tmp_path, starts_processes):
     arch_dir = tmp_path / "tiny"
     arch_dir.mkdir()
     config = {

@@ -130,7 +130,7 @@ def test_tables_print_cores_and_efficiencies(tmp_path):
     assert open(written[1], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_real_run_on_one_and_two_ranks(tmp_path):
+def test_real_run_on_one_and_two_ranks(tmp_path, starts_processes):
     """Measures a tiny model at 1 and 2 ranks through Ray (no vLLM): ~30 s on 2 cores."""
     args = ScalingArgs(ranks=(1, 2), modes=("dp-strong", "dp-weak", "tp-strong"), hidden=64, layers=2, heads=2,
                        vocab=256, seq_len=16, micro_batch=1, warmup=1, repeats=2, sync=False)

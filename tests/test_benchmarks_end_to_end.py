@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,14 +27,17 @@ def policy(tmp_path_factory, smollm2) -> Path:
     return build_tiny_policy(tmp_path_factory.mktemp("bench-policy") / "llama", smollm2)
 
 
-def _bench(*args: str, target_exit: bool = False) -> dict:
-    """The benchmark's JSON report. ``target_exit``: it exits 1 when a row misses its target (at
-    this size, expected), which is its verdict, not a failure to run."""
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli.main", "bench", *args, "--json"], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
-    assert proc.returncode in ((0, 1) if target_exit else (0,)), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+@pytest.fixture(scope="module")
+def bench(cli):
+    def run(*args: str, target_exit: bool = False) -> dict:
+        """The benchmark's JSON report. ``target_exit``: it exits 1 when a row misses its target (at
+        this size, expected), which is its verdict, not a failure to run."""
+        proc = cli("bench", *args, "--json", timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
+        assert proc.returncode in ((0, 1) if target_exit else (0,)), proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
+    return run
 
 
 def _models(policy: Path) -> list[str]:
@@ -47,8 +48,8 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_e2e_against_trl_with_the_evaluation_before_training(policy, tmp_path):
-    report = _bench("e2e", "--steps", "2", "--out", str(tmp_path), *_models(policy), *SMALL, HELD_OUT)
+def test_e2e_against_trl_with_the_evaluation_before_training(policy, tmp_path, bench):
+    report = bench("e2e", "--steps", "2", "--out", str(tmp_path), *_models(policy), *SMALL, HELD_OUT)
     (round_,) = report["rounds"]
     for side in ("megarl", "trl"):
         assert round_[side]["timed_steps"] == 1 and _positive(round_[side]["tokens_per_s"])
@@ -57,15 +58,15 @@ def test_e2e_against_trl_with_the_evaluation_before_training(policy, tmp_path):
                                             / report["pooled"]["trl"]["tokens_per_s"])
 
 
-def test_async_rollout_against_lockstep(policy, tmp_path):
-    report = _bench("async", "--staleness", "0,1", "--no-shared", "--steps", "2", "--out", str(tmp_path),
+def test_async_rollout_against_lockstep(policy, tmp_path, bench):
+    report = bench("async", "--staleness", "0,1", "--no-shared", "--steps", "2", "--out", str(tmp_path),
                     *_models(policy), *SMALL, HELD_OUT)
     assert report["speedup_target"] == 1.5 and _positive(report["speedup"])
     assert report["accuracy_points_limit"] == 5.0 and math.isfinite(report["accuracy_points_lost"])
 
 
-def test_episodes_overlap_against_lockstep(policy):
-    report = _bench("episodes", "--prompts", "2", "--rounds", "1", *_models(policy), "rollout.max_tokens=16",
+def test_episodes_overlap_against_lockstep(policy, bench):
+    report = bench("episodes", "--prompts", "2", "--rounds", "1", *_models(policy), "rollout.max_tokens=16",
                     "rollout.n=2", "rollout.max_model_len=512", "data.max_prompt_len=256", "env.max_episode_tokens=400",
                     "eval.sets=[]")
     for schedule in ("overlap", "lockstep"):
@@ -75,16 +76,16 @@ def test_episodes_overlap_against_lockstep(policy):
     assert speedup["measured"] == pytest.approx(report["overlap"]["tokens_per_s"] / report["lockstep"]["tokens_per_s"])
 
 
-def test_scaling_of_the_step_and_the_sync(tmp_path):
-    report = _bench("scaling", "--ranks", "1,2", "--modes", "dp-strong", "--warmup", "1", "--repeats", "1",
+def test_scaling_of_the_step_and_the_sync(tmp_path, bench):
+    report = bench("scaling", "--ranks", "1,2", "--modes", "dp-strong", "--warmup", "1", "--repeats", "1",
                     "--out", str(tmp_path))
     assert set(report["step_seconds"]["dp-strong"]) == {"1", "2"}
     assert (tmp_path / "scaling.json").is_file() and (tmp_path / "scaling.png").is_file()
 
 
-def test_vocab_parallel_logprob_memory():
+def test_vocab_parallel_logprob_memory(bench):
     # a 4096-token vocabulary is too small for the quarter-of-naive target at tp 1: exit 1, as it should
-    report = _bench("logprob", "--vocab", "4096", "--tp", "1,2", "--batch", "1", "--seq", "64", target_exit=True)
+    report = bench("logprob", "--vocab", "4096", "--tp", "1,2", "--batch", "1", "--seq", "64", target_exit=True)
     assert report["target_ratio"] == 0.25
     assert {r["tp"] for r in report["rows"]} == {1, 2}
     assert all(r["megarl_max_abs_diff"] < 1e-4 and _positive(r["megarl_ratio"]) for r in report["rows"])

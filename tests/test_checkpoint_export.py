@@ -10,8 +10,6 @@ The bundled model here is a stand-in: a tiny Llama with SmolLM2's tokenizer, put
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +52,7 @@ def test_side_files_come_from_where_the_model_is(cache, tmp_path, monkeypatch):
     assert hf_side_dir(cache) == cache
 
 
-def test_checkpoints_of_bundled_and_checkpoint_sources_export_to_loadable_hf(cache, tmp_path):
+def test_checkpoints_of_bundled_and_checkpoint_sources_export_to_loadable_hf(cache, tmp_path, cli):
     standin = cache / "models" / SMOLLM2
     with SpmdPool(1, env={"MEGARL_CACHE": str(cache)}) as pool:
         from_bundled = _save_role(pool, BUNDLED, tmp_path / "from_bundled")
@@ -70,8 +68,7 @@ def test_checkpoints_of_bundled_and_checkpoint_sources_export_to_loadable_hf(cac
         side = {p.name for p in (ckpt / "hf").iterdir()}
         assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= side, side
         out = tmp_path / f"{ckpt.name}_hf"
-        proc = subprocess.run([sys.executable, "-m", "megarl.cli.main", "convert", "mcore-to-hf", "--ckpt", str(ckpt),
-                               "--out", str(out)], capture_output=True, text=True, timeout=600)
+        proc = cli("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out), timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == \
             {p.name: oct(0o666 & ~umask) for p in out.iterdir()}

@@ -10,7 +10,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import time
 
 import pytest
@@ -22,12 +21,15 @@ from megarl.config.schema import ParallelConfig
 from megarl.convert import jobs
 
 
-def megarl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli.main", *args], capture_output=True, text=True,
-                          timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"megarl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
+@pytest.fixture(scope="module")
+def megarl(cli):
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = cli(*args, timeout=600)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"megarl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def llama_with_side_files(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ckpt22(llama_with_side_files, tmp_path_factory):
+def ckpt22(llama_with_side_files, tmp_path_factory, megarl):
     out = tmp_path_factory.mktemp("cli") / "ckpt22"
     proc = megarl("convert", "hf-to-mcore", "--hf", str(llama_with_side_files), "--out", str(out),
                   "--tp", "2", "--pp", "2")
@@ -47,7 +49,7 @@ def ckpt22(llama_with_side_files, tmp_path_factory):
     return out
 
 
-def test_round_trip_hf_mcore_hf_is_bitwise(llama_with_side_files, ckpt22, tmp_path):
+def test_round_trip_hf_mcore_hf_is_bitwise(llama_with_side_files, ckpt22, tmp_path, megarl):
     back = tmp_path / "back"
     # the tiny model has no tokenizer: exporting it is refused unless asked for explicitly
     megarl("convert", "mcore-to-hf", "--ckpt", str(ckpt22), "--out", str(back), "--no-tokenizer")
@@ -69,7 +71,7 @@ def test_round_trip_hf_mcore_hf_is_bitwise(llama_with_side_files, ckpt22, tmp_pa
 
 @pytest.mark.parametrize("family,layout", [("qwen3", "--tp 2 --pp 2"), ("qwen3_moe", "--tp 2 --ep 2 --etp 1"),
                                            ("qwen2_moe", "--tp 2 --pp 2")])
-def test_round_trip_of_another_family_is_bitwise(family, layout, tiny_models, tmp_path):
+def test_round_trip_of_another_family_is_bitwise(family, layout, tiny_models, tmp_path, megarl):
     """The round trip above (a Llama) for the families with tensors of their own (Qwen3's QK-norms,
     Qwen3-MoE's router and experts, Qwen2-MoE's shared expert and its gate); Qwen3-MoE written with
     attention over tp=2 and each expert whole over ep=2 (etp=1: two ranks in all)."""
@@ -84,7 +86,7 @@ def test_round_trip_of_another_family_is_bitwise(family, layout, tiny_models, tm
     assert json.loads((back / "config.json").read_text())["model_type"] == family
 
 
-def test_reshard_keeps_logits(ckpt22, llama_with_side_files, tmp_path, pools):
+def test_reshard_keeps_logits(ckpt22, llama_with_side_files, tmp_path, pools, megarl):
     tokens = random_tokens()
     expected = hf_logits(llama_with_side_files, tokens)
     ck11, ck21 = tmp_path / "ck11", tmp_path / "ck21"
@@ -102,7 +104,7 @@ def _max_dlogit(stdout: str) -> float:
     return float(re.search(r"max \|dlogit\|\s+(\S+)", stdout).group(1))
 
 
-def test_verify_passes_and_catches_wrong_weights(ckpt22, llama_with_side_files, tmp_path):
+def test_verify_passes_and_catches_wrong_weights(ckpt22, llama_with_side_files, tmp_path, megarl):
     ok = megarl("convert", "verify", "--hf", str(llama_with_side_files), "--ckpt", str(ckpt22), "--tp", "2",
                 "--pp", "2", "--seq", "32")
     assert "PASS" in ok.stdout and _max_dlogit(ok.stdout) <= 1e-3
@@ -125,7 +127,7 @@ def _refused(proc: subprocess.CompletedProcess, *fragments: str) -> None:
         assert fragment in proc.stderr, proc.stderr
 
 
-def test_refusals_before_any_rank_starts(llama_with_side_files, ckpt22, tiny_models, tmp_path):
+def test_refusals_before_any_rank_starts(llama_with_side_files, ckpt22, tiny_models, tmp_path, megarl):
     # config.json that does not describe its tensors
     lying = tmp_path / "lying"
     shutil.copytree(llama_with_side_files, lying)
@@ -152,7 +154,7 @@ def test_refusals_before_any_rank_starts(llama_with_side_files, ckpt22, tiny_mod
                     check=False), "is not a megarl checkpoint")
 
 
-def test_corrupt_weights_are_refused_by_name(llama_with_side_files, tmp_path):
+def test_corrupt_weights_are_refused_by_name(llama_with_side_files, tmp_path, megarl):
     broken = tmp_path / "broken"
     shutil.copytree(llama_with_side_files, broken)
     data = (broken / "model.safetensors").read_bytes()
@@ -162,11 +164,10 @@ def test_corrupt_weights_are_refused_by_name(llama_with_side_files, tmp_path):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_interrupted_conversion_leaves_nothing_behind(signum, llama_with_side_files, tmp_path):
+def test_interrupted_conversion_leaves_nothing_behind(signum, llama_with_side_files, tmp_path, cli):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "megarl.cli.main", "convert", "hf-to-mcore", "--hf",
-                             str(llama_with_side_files), "--out", str(out), "--tp", "2", "--pp", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cli.popen("convert", "hf-to-mcore", "--hf", str(llama_with_side_files), "--out", str(out), "--tp", "2",
+                     "--pp", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert "starting 4 rank(s)" in proc.stdout.readline()
     deadline = time.monotonic() + 30  # the ranks are starting: interrupt once the temporary output exists
     while not any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir()):
@@ -186,7 +187,7 @@ def test_interrupted_conversion_leaves_nothing_behind(signum, llama_with_side_fi
     assert list(tmp_path.iterdir()) == [], "a partial output was left behind"
 
 
-def test_help_explains():
+def test_help_explains(megarl):
     text = megarl("convert", "--help").stdout
     for command in ("hf-to-mcore", "mcore-to-hf", "reshard", "verify", "torchrun"):
         assert command in text

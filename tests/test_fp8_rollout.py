@@ -105,15 +105,13 @@ def _logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def _synced_logprobs(model, tokens: torch.Tensor, **engine_kwargs) -> torch.Tensor:
     """vLLM's prompt log-probs of ``tokens`` after one weight sync from a Megatron actor loaded
-    from ``model`` into an engine that started from random weights."""
+    from ``model`` into an engine that started from random weights (Ray started: ``ray_session``)."""
     import ray
 
-    from megarl.cluster.ray_env import ensure_ray
     from megarl.rollout.remote import start_engine, wait_ready
     from megarl.workers import WorkerGroup
     from megarl.workers.weight_sync import WeightSync
 
-    ensure_ray()
     engine = start_engine(str(model), max_model_len=256, max_num_seqs=8, load_format="dummy", **engine_kwargs)
     try:
         wait_ready([engine])
@@ -139,7 +137,7 @@ def fp8_model(tmp_path_factory):
                          vocab_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-def test_emulated_sync_rounds_the_linear_weights_as_vllm_fp8_would(fp8_model):
+def test_emulated_sync_rounds_the_linear_weights_as_vllm_fp8_would(fp8_model, ray_session):
     import transformers
 
     tokens = random_tokens(batch=2, seq=24, vocab=256)
@@ -150,7 +148,7 @@ def test_emulated_sync_rounds_the_linear_weights_as_vllm_fp8_would(fp8_model):
     assert (got - exact).abs().max() > 1e-2  # the rounding is there, and large enough to tell apart
 
 
-def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path):
+def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path, ray_session):
     """``rollout.weights: fp8`` at vLLM TP 2: vLLM's own online FP8 (a bfloat16 engine) quantizes
     each weight the sync hands it, one scale per fused tensor reduced over the TP ranks, and
     multiplies in FP8. Oracle: the same engine as it loaded the HF checkpoint itself with its FP8
@@ -161,12 +159,10 @@ def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path):
     import ray
     import transformers
 
-    from megarl.cluster.ray_env import ensure_ray
     from megarl.rollout.remote import start_engine, wait_ready
     from megarl.workers import WorkerGroup
     from megarl.workers.weight_sync import WeightSync
 
-    ensure_ray()
     other = build_tiny_hf("llama", tmp_path / "other", seed=1, hidden_size=128, intermediate_size=256, vocab_size=256,
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     # one prompt: one forward. vLLM's dynamic activation scale is per tensor on CPU (per token on

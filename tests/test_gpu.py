@@ -283,13 +283,11 @@ def test_fp8_training_lowers_loss(pools, te_model):
 
 
 @pytest.fixture(scope="module")
-def gpu_rollout(te_model):
+def gpu_rollout(te_model, ray_session):
     import ray
 
-    from megarl.cluster.ray_env import ensure_ray
     from megarl.rollout.remote import start_engine, wait_ready
 
-    ensure_ray()
     # half of the one GPU: the actor's rank takes the other half (colocated)
     engine = start_engine(str(te_model), tp=1, dtype="float32", max_model_len=256, max_num_seqs=8,
                           gpu_memory_utilization=0.3, num_gpus=0.5)

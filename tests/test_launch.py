@@ -34,17 +34,23 @@ def _run(cmd: list[str], env: dict | None = None, timeout: float = 60) -> subpro
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
+@pytest.fixture(scope="module")
+def run(subprocesses):
+    """``_run``, for a test that runs the launch scripts (programs: an integration test)."""
+    return _run
+
+
 # -- submit.sh: the command line ----------------------------------------------------------
 
-def test_submit_help_explains_options():
-    out = _run(["bash", str(SUBMIT), "--help"])
+def test_submit_help_explains_options(run):
+    out = run(["bash", str(SUBMIT), "--help"])
     assert out.returncode == 0
     for option in ("--nodes", "--gpus-per-node", "--image", "--runtime", "--dry-run", "--venv"):
         assert option in out.stdout
 
 
-def test_submit_dry_run_builds_the_sbatch_command():
-    out = _run(["bash", str(SUBMIT), "--dry-run", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
+def test_submit_dry_run_builds_the_sbatch_command(run):
+    out = run(["bash", str(SUBMIT), "--dry-run", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
                 "--image", "nvcr.io#me/megarl:0.1", "--mounts", "/data:/data", "--sbatch-arg=--qos=high",
                 str(RECIPE), "actor.parallel.tp=2", "rewards=[{kind: remote}]"])
     assert out.returncode == 0, out.stderr
@@ -71,31 +77,31 @@ def test_submit_dry_run_builds_the_sbatch_command():
     ([str(RECIPE), "trainer.steps"], "override 'trainer.steps' is not key=value"),
     (["--bogus", str(RECIPE)], "unknown option --bogus"),
 ])
-def test_submit_rejects_bad_input_naming_it(args, message):
-    out = _run(["bash", str(SUBMIT), "--dry-run", *args])
+def test_submit_rejects_bad_input_naming_it(args, message, run):
+    out = run(["bash", str(SUBMIT), "--dry-run", *args])
     assert out.returncode == 2
     assert message in out.stderr
 
 
-def test_local_help_and_a_missing_recipe():
+def test_local_help_and_a_missing_recipe(run):
     local = str(ROOT / "launch" / "local.sh")
-    assert "ray start --head" in _run(["bash", local, "--help"]).stdout
-    missing = _run(["bash", local, "no/such.yaml"])
+    assert "ray start --head" in run(["bash", local, "--help"]).stdout
+    missing = run(["bash", local, "no/such.yaml"])
     assert missing.returncode == 2 and "recipe no/such.yaml: no such file" in missing.stderr
 
 
-def test_the_job_reads_output_dir_and_names_a_bad_override():
+def test_the_job_reads_output_dir_and_names_a_bad_override(run):
     py = sys.executable
-    ok = _run([py, str(ROOT / "launch" / "output_dir.py"), str(RECIPE), "output_dir=/tmp/x"])
+    ok = run([py, str(ROOT / "launch" / "output_dir.py"), str(RECIPE), "output_dir=/tmp/x"])
     assert ok.returncode == 0 and ok.stdout.strip() == "/tmp/x", ok.stderr
-    bad = _run([py, str(ROOT / "launch" / "output_dir.py"), str(RECIPE), "trainer.stepz=3"])
+    bad = run([py, str(ROOT / "launch" / "output_dir.py"), str(RECIPE), "trainer.stepz=3"])
     assert bad.returncode == 2 and "trainer.stepz" in bad.stderr
 
 
 # -- a real one-node Slurm ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def slurm():
+def slurm(subprocesses):
     if os.geteuid() != 0:
         pytest.skip("bringing up Slurm needs root (it starts slurmctld/slurmd and may apt-get install)")
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:

@@ -102,7 +102,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(subprocesses):
     reason = _unavailable()
     if reason:
         pytest.skip(reason)

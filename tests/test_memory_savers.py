@@ -27,7 +27,7 @@ def test_recompute_reaches_megatron_transformer_config():
     assert recompute_kwargs(RecomputeConfig()) == {}
 
 
-def test_full_recompute_cuts_measured_activations():
+def test_full_recompute_cuts_measured_activations(starts_processes):
     """A real megatron-core step on one CPU rank: full recompute saves far less for backward,
     and the planner's estimate follows both within 15%."""
     from megarl.bench.memory import Case, run_memory_bench

@@ -119,7 +119,7 @@ def test_8b_plan_fits_its_gpus():
     assert set(p.times) >= {"generation", "inference", "training", "weight sync"}
 
 
-def test_measured_memory_matches_model_on_two_ranks():
+def test_measured_memory_matches_model_on_two_ranks(starts_processes):
     """One real megatron-core case (tiny model, tp=2, fp32): every component within 15%."""
     from megarl.bench.memory import Case, run_memory_bench
 

@@ -31,13 +31,11 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model):
+def engine(model, ray_session):
     import ray
 
-    from megarl.cluster.ray_env import ensure_ray
     from megarl.rollout.remote import start_engine, wait_ready
 
-    ensure_ray()
     # 32 sequences at once: enough prompt tokens in one step to exceed vLLM's 4096-token budget
     handle = start_engine(str(model), tp=1, max_model_len=256, max_num_seqs=32)
     wait_ready([handle])

@@ -61,7 +61,7 @@ def _without_times(history: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("stage,records", [("sft", _sft_records(16)), ("dpo", _pair_records(12))])
-def test_a_stage_learns_and_resumes_bit_for_bit(tmp_path, policy, stage, records):
+def test_a_stage_learns_and_resumes_bit_for_bit(tmp_path, policy, stage, records, starts_processes):
     data = _write_jsonl(tmp_path / "train.jsonl", records)
     whole = _recipe(tmp_path, "whole", policy, data)
     assert main([stage, str(whole)]) == 0
@@ -89,7 +89,8 @@ def test_a_stage_learns_and_resumes_bit_for_bit(tmp_path, policy, stage, records
 
 
 @pytest.mark.parametrize("source", ["hf", "megarl"])
-def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_measured(tmp_path, policy, source):
+def test_the_reward_model_exports_as_a_sequence_classifier_ranking_pairs_as_measured(tmp_path, policy, source,
+                                                                                    starts_processes):
     """From a language model (an HF folder, or a megarl checkpoint such as an SFT stage's): the
     backbone is read, the score head starts from its initialisation."""
     import transformers
@@ -310,7 +311,7 @@ def _unpaired_records(n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("records", ["pairs", "unpaired"])
-def test_kto_learns_with_its_kl_reference_point(tmp_path, policy, moved, capsys, records):
+def test_kto_learns_with_its_kl_reference_point(tmp_path, policy, moved, capsys, records, starts_processes):
     """``megarl dpo`` with ``dpo.loss_type: kto`` (its loss equals TRL's KTOTrainer's,
     ``tests/test_preference.py``), on pairs and on unpaired records, training the moved model
     against the tiny policy: the first step's KL reference point is transformers' mean log-ratio

@@ -39,7 +39,8 @@ def small_sandbox(**options) -> PythonSandbox:
 
 
 @pytest.fixture(scope="module")
-def sandbox() -> PythonSandbox:
+def sandbox(starts_processes) -> PythonSandbox:
+    """A sandbox runs each program in a process of its own: its tests are integration tests."""
     return small_sandbox()
 
 
@@ -279,7 +280,7 @@ def test_sandbox_cancelled_call_stops_the_program_and_the_next_call_works(sandbo
     assert execute(sandbox, GOOD)[0].text == "45"
 
 
-def test_sandbox_many_concurrent_calls_finish():
+def test_sandbox_many_concurrent_calls_finish(starts_processes):
     tool = small_sandbox(max_concurrency=3)
     programs = [f"print({i} * {i})" for i in range(10)] + ["while True:\n    pass", "import os\nos.fork()"]
 
@@ -303,7 +304,7 @@ def layered(**layers) -> PythonSandbox:
     return tool
 
 
-def test_without_layers_the_same_programs_succeed(listener):
+def test_without_layers_the_same_programs_succeed(listener, starts_processes):
     """The control for the tests below: they fail because of the layer, not by accident (only a
     harmless connect and a no-op setrlimit run unguarded)."""
     tool = layered()
@@ -321,7 +322,7 @@ def test_without_layers_the_same_programs_succeed(listener):
                               "audit_hook": False, "nproc": False}
 
 
-def test_audit_hook_alone_refuses_forks_sockets_and_files(listener):
+def test_audit_hook_alone_refuses_forks_sockets_and_files(listener, starts_processes):
     tool = layered(audit_hook=True)
     port = listener.getsockname()[1]
     assert_error(execute(tool, "import os\nos.fork()")[0], "forbidden operation", "os.fork")
@@ -331,7 +332,7 @@ def test_audit_hook_alone_refuses_forks_sockets_and_files(listener):
     assert tool.isolation["audit_hook"] and not tool.isolation["seccomp"]
 
 
-def test_seccomp_alone_refuses_forks_and_sockets():
+def test_seccomp_alone_refuses_forks_and_sockets(starts_processes):
     tool = layered(seccomp=True)
     if not execute(tool, GOOD)[0].text == "45" or not tool.isolation.get("seccomp"):
         pytest.skip("seccomp filter unavailable here (not x86-64 Linux, or refused by the kernel)")
@@ -346,7 +347,7 @@ def test_seccomp_alone_refuses_forks_and_sockets():
     assert execute(tool, threads)[0].text == "thread"  # threads are still allowed
 
 
-def test_network_namespace_alone_has_no_network(listener):
+def test_network_namespace_alone_has_no_network(listener, starts_processes):
     tool = layered(network_namespace=True)
     if not execute(tool, GOOD)[0].text == "45" or not tool.isolation.get("network_namespace"):
         pytest.skip("no network namespace here (unshare refused)")

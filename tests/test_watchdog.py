@@ -14,12 +14,12 @@ from megarl.utils.abort import Aborted, AbortSignal
 from megarl.workers.watchdog import Watchdog
 
 
-def _sleeper() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def _sleeper(subprocesses) -> subprocess.Popen:
+    return subprocesses.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
-def test_a_dead_child_is_seen_as_dead_before_and_after_it_is_reaped():
-    child, other = _sleeper(), _sleeper()
+def test_a_dead_child_is_seen_as_dead_before_and_after_it_is_reaped(subprocesses):
+    child, other = _sleeper(subprocesses), _sleeper(subprocesses)
     try:
         watched = [p for p in process_watch.descendants() if p.pid in (child.pid, other.pid)]
         assert sorted(p.pid for p in watched) == sorted([child.pid, other.pid])

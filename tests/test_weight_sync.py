@@ -222,12 +222,8 @@ def test_bench_refit_reports_exact_bytes_and_the_baseline(ray_session, rollout_m
     assert "time_ratio" in table and "bytes_ratio 1.00" in table
 
 
-def test_bench_refit_refuses_a_bad_layout_before_starting(rollout_model):
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli.main", "bench", "refit", "--model", str(rollout_model),
-                           "--train-tp", "3"], capture_output=True, text=True, timeout=120)
+def test_bench_refit_refuses_a_bad_layout_before_starting(rollout_model, cli):
+    proc = cli("bench", "refit", "--model", str(rollout_model), "--train-tp", "3", timeout=120)
     assert proc.returncode == 2
     assert "--train-tp=3 does not divide num_attention_heads=4" in proc.stderr
     assert "starting vLLM" not in proc.stdout
