@@ -211,9 +211,9 @@ def test_unknown_key_in_yaml_file_mentions_the_file(tmp_path):
     ("actor:\n  parallel:\n    vpp: two\n",  # int | None
      r"actor\.parallel\.vpp: expected an integer, got 'two'"),
     ("actor:\n  precision:\n    dtype: [bf16]\n",
-     r"actor\.precision\.dtype: expected a string, got \['bf16'\]"),
+     r"actor\.precision\.dtype: \['bf16'\] is not one of float32, bfloat16, float16"),
     ("actor:\n  precision:\n    fp8: [8]\n",  # str | None
-     r"actor\.precision\.fp8: expected a string, got \[8\]"),
+     r"actor\.precision\.fp8: \[8\] is not one of e4m3, hybrid"),
     ("reference: 5\n", r"reference: expected a mapping, got 5"),
     ("actor: null\n", r"actor: expected a mapping, got None"),
     ("actor:\n  parallel: 4\n", r"actor\.parallel: expected a mapping, got 4"),
@@ -510,19 +510,19 @@ def test_numbers_are_text_in_string_fields(tmp_path):
 
 def test_fp8_unknown_format(llama_dir):
     message = invalid(actor_run(llama_dir, dtype="bfloat16", fp8="e5m2"), GPU_TE)
-    assert "actor.precision.fp8='e5m2' must be one of e4m3, hybrid" in message
+    assert "actor.precision.fp8: 'e5m2' is not one of e4m3, hybrid" in message
 
 
 def test_fp8_unknown_recipe(llama_dir):
     cfg = actor_run(llama_dir)
     cfg.actor.precision.fp8_recipe = "fancy"
     message = invalid(cfg)
-    assert "actor.precision.fp8_recipe='fancy' must be one of delayed, tensorwise, mxfp8, blockwise" in message
+    assert "actor.precision.fp8_recipe: 'fancy' is not one of delayed, tensorwise, mxfp8, blockwise" in message
 
 
 def test_bad_dtype(llama_dir):
     message = invalid(actor_run(llama_dir, dtype="bf16"))
-    assert "actor.precision.dtype='bf16' must be one of float32, bfloat16, float16" in message
+    assert "actor.precision.dtype: 'bf16' is not one of float32, bfloat16, float16" in message
 
 
 def test_vocab_pad_multiple_must_be_positive(llama_dir):
@@ -532,15 +532,19 @@ def test_vocab_pad_multiple_must_be_positive(llama_dir):
 
 
 def test_all_problems_of_all_roles_are_listed(llama_dir):
-    cfg = actor_run(llama_dir, tp=3, world_size=3, dtype="bf16")
+    cfg = actor_run(llama_dir, tp=3, world_size=3)
     cfg.critic = RoleConfig(model=ModelConfig(path=str(llama_dir)), parallel=ParallelConfig(pp=3))
     message = invalid(cfg)
     assert "actor.parallel.tp=3 does not divide num_attention_heads=4" in message
-    assert "actor.precision.dtype='bf16'" in message
     assert "critic.parallel.pp=3 does not divide num_hidden_layers (4)" in message
     # one problem per line under the header
     assert message.splitlines()[0] == "invalid configuration:"
     assert all(line.startswith("  ") for line in message.splitlines()[1:])
+    # a value outside its choices is refused first, alone: the checks after it read the choices
+    cfg.actor.precision.dtype = "bf16"
+    message = invalid(cfg)
+    assert "actor.precision.dtype: 'bf16' is not one of float32, bfloat16, float16" in message
+    assert "does not divide" not in message
 
 
 def test_validate_through_the_loader(llama_dir, tmp_path):
@@ -650,12 +654,14 @@ def test_moe_routing_settings_are_checked_before_start(mixtral_dir, llama_dir):
     assert "actor" in validate_run(with_moe(mixtral_dir, load_balancing="seq_aux_loss", aux_loss_coeff=1e-3,
                                             capacity_factor=1.25, pad_to_capacity=True), CPU)
     assert "actor.moe is set but the model is dense" in invalid(with_moe(llama_dir, capacity_factor=1.0))
-    message = invalid(with_moe(mixtral_dir, load_balancing="sinkhorn", aux_loss_coeff=-1, z_loss_coeff=0,
-                               capacity_factor=0, token_drop_policy="random", pad_to_capacity=True))
-    for fragment in ("actor.moe.load_balancing='sinkhorn' must be one of none, aux_loss",
-                     "actor.moe.aux_loss_coeff must",
-                     "actor.moe.z_loss_coeff must be > 0", "actor.moe.capacity_factor must be > 0",
-                     "actor.moe.token_drop_policy='random'"):
+    message = invalid(with_moe(mixtral_dir, load_balancing="sinkhorn", token_drop_policy="random"))
+    for fragment in ("actor.moe.load_balancing: 'sinkhorn' is not one of none, aux_loss",
+                     "actor.moe.token_drop_policy: 'random' is not one of probs, position"):
+        assert fragment in message, (fragment, message)
+    message = invalid(with_moe(mixtral_dir, aux_loss_coeff=-1, z_loss_coeff=0, capacity_factor=0,
+                               pad_to_capacity=True))
+    for fragment in ("actor.moe.aux_loss_coeff must", "actor.moe.z_loss_coeff must be > 0",
+                     "actor.moe.capacity_factor must be > 0"):
         assert fragment in message, (fragment, message)
     assert "need a weight" not in message
     assert "go together" in invalid(with_moe(mixtral_dir, aux_loss_coeff=0.01))

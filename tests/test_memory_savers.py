@@ -89,8 +89,11 @@ def test_memory_saver_fields_are_checked_with_their_names():
     role = RoleConfig(parallel=ParallelConfig(pp=2), recompute=RecomputeConfig("full", "uniform", 3))
     assert any("actor.recompute.num_layers=3 must divide the 16 layers" in e
                for e in memory_saver_errors(arch, role, "actor"))
+    from megarl.config.loader import enumeration_errors
+
     role = RoleConfig(recompute=RecomputeConfig("sometimes"))
-    assert any("actor.recompute.granularity='sometimes'" in e for e in memory_saver_errors(arch, role, "actor"))
+    assert enumeration_errors(role, "actor") == [
+        "actor.recompute.granularity: 'sometimes' is not one of none, selective, full"]
     role = RoleConfig(recompute=RecomputeConfig("selective", modules=["moe"]))
     assert any("MoE modules of a dense model" in e for e in memory_saver_errors(arch, role, "actor"))
     role = RoleConfig(optim=OptimizerConfig(cpu_offload=True, use_distributed_optimizer=False, offload_fraction=0))

@@ -84,9 +84,12 @@ def test_dpo_and_bradley_terry_formulas_by_hand():
                                      margin=torch.tensor([0.5, 0.0]))
     assert bt.item() == pytest.approx((math.log1p(math.exp(-0.5)) + math.log1p(math.exp(2.0))) / 2)
     assert metrics["rm/accuracy"].item() == 0.5
-    assert DpoConfig(beta=0, loss_type="orpo", label_smoothing=0.7).problems() == [
-        "dpo.beta must be a positive number, got 0", "dpo.loss_type must be one of sigmoid, ipo, kto, got 'orpo'",
-        "dpo.label_smoothing must be in [0, 0.5), got 0.7"]
+    assert DpoConfig(beta=0, label_smoothing=0.7).problems() == [
+        "dpo.beta must be a positive number, got 0", "dpo.label_smoothing must be in [0, 0.5), got 0.7"]
+    from megarl.config.loader import enumeration_errors
+
+    assert enumeration_errors(DpoConfig(loss_type="orpo"), "dpo") == [
+        "dpo.loss_type: 'orpo' is not one of sigmoid, ipo, kto"]
 
 
 def test_kto_formula_by_hand():

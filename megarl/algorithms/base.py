@@ -26,9 +26,9 @@ import torch
 from megarl.algorithms import losses
 from megarl.algorithms.advantages import broadcast, token_rewards, turn_advantages
 from megarl.algorithms.filters import dynamic_sampling_mask
-from megarl.algorithms.kl import KL_ESTIMATORS, kl_reward_penalty
-from megarl.algorithms.masked import AGGREGATION_MODES, aggregate
-from megarl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, off_policy_correction
+from megarl.algorithms.kl import kl_reward_penalty
+from megarl.algorithms.masked import aggregate
+from megarl.algorithms.off_policy import off_policy_correction
 from megarl.config.schema import AlgorithmConfig, RunConfig
 
 Reduce = Literal["mean", "sum", "same"]
@@ -185,13 +185,6 @@ class Algorithm:
         if self.min_group_size > 1 and run.rollout.n < self.min_group_size:
             errors.append(f"rollout.n={run.rollout.n}: {self.name} compares samples of a prompt, it needs "
                           f"n >= {self.min_group_size}")
-        if algo.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            errors.append(f"algorithm.off_policy_correction={algo.off_policy_correction!r} must be one of "
-                          f"{', '.join(OFF_POLICY_CORRECTIONS)}")
-        if algo.aggregation not in AGGREGATION_MODES:
-            errors.append(f"algorithm.aggregation={algo.aggregation!r} must be one of {', '.join(AGGREGATION_MODES)}")
-        if algo.kl_estimator not in KL_ESTIMATORS:
-            errors.append(f"algorithm.kl_estimator={algo.kl_estimator!r} must be one of {', '.join(KL_ESTIMATORS)}")
         if self.needs_reference(algo) and run.reference is None:
             errors.append(f"algorithm.kl_coef={algo.kl_coef} needs a reference role")
         if run.env is not None and run.env.credit == "turn" and not self.turn_credit:

@@ -51,6 +51,7 @@ def placement_errors(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
         errors.append(f"rollout.colocate_with={cfg.rollout.colocate_with!r} needs rollout.tp=1 on GPU "
                       f"(got {cfg.rollout.tp}); give the rollout its own GPUs for tensor-parallel engines")
     ranks = role_ranks(cfg)
+    errors += capacity_errors(cfg, gpu)
     hosts = {name: role.colocate_with for name, role in cfg.roles().items()}
     hosts["rollout"] = cfg.rollout.colocate_with
     for guest, host in hosts.items():
@@ -64,6 +65,29 @@ def placement_errors(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
         elif ranks[guest] > ranks[host]:
             errors.append(f"{where}={host!r}: {ranks[guest]} ranks do not fit on the {ranks[host]} bundles of "
                           f"{host}")
+    return errors
+
+
+def capacity_errors(cfg: RunConfig, gpu: bool) -> list[str]:
+    """A run that a local Ray instance (no RAY_ADDRESS) cannot place: more CPUs or GPUs in its
+    bundles than the instance has. Ray would wait for them (``place``: ten minutes) instead of
+    saying so. A cluster's resources are known only once joined: ``place`` waits there."""
+    import os
+
+    from megarl.cluster.ray_env import DEFAULT_LOCAL_CPUS
+
+    if os.environ.get("RAY_ADDRESS"):
+        return []
+    bundles, _ = bundle_plan(cfg, gpu)
+    wanted = {kind: sum(b.get(kind, 0.0) for group in bundles.values() for b in group) for kind in ("CPU", "GPU")}
+    have = {"CPU": max(DEFAULT_LOCAL_CPUS, os.cpu_count() or 1), "GPU": current_platform().visible_gpus() or 0}
+    errors = []
+    for kind, unit in (("CPU", "cores (local Ray's logical CPUs)"), ("GPU", "GPUs")):
+        if wanted[kind] > have[kind]:
+            ranks = ", ".join(f"{name} {n}" for name, n in role_ranks(cfg).items() if n)
+            errors.append(f"the run's ranks ({ranks}) ask for {wanted[kind]:g} {unit} and this machine has "
+                          f"{have[kind]:g}: lower the world sizes, cpus_per_rank or rollout.engines, or join a "
+                          "cluster (RAY_ADDRESS)")
     return errors
 
 

@@ -202,6 +202,42 @@ def _choice(value: Any, choices: tuple, where: str) -> Any:
     raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
 
 
+def _choices(hint: Any) -> tuple | None:
+    """The allowed values of a ``Literal[...]`` (or ``Literal[...] | None``) field type, else None."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        literals = [a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal]
+        if literals:
+            nullable = type(None) in typing.get_args(hint)
+            return tuple(v for a in literals for v in typing.get_args(a)) + ((None,) if nullable else ())
+    return None
+
+
+def enumeration_errors(cfg: Any, where: str = "") -> list[str]:
+    """Every enumerated field of a config built in code (the loader checks those it reads) whose
+    value is not one of its choices; one line each, as the loader words it."""
+    errors: list[str] = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, path = getattr(cfg, f.name), f"{where}.{f.name}" if where else f.name
+        choices = _choices(hints[f.name])
+        if choices is not None:
+            if value is None and None in choices:
+                continue
+            try:
+                _choice(value, tuple(c for c in choices if c is not None), path)
+            except ConfigError as e:
+                errors.append(str(e))
+        elif dataclasses.is_dataclass(value):
+            errors += enumeration_errors(value, path)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    errors += enumeration_errors(item, f"{path}[{i}]")
+    return errors
+
+
 def _build(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     hints = typing.get_type_hints(cls)
     fields = _fields(cls)

@@ -38,8 +38,6 @@ class DpoConfig:
         if isinstance(self.beta, bool) or not (isinstance(self.beta, int | float) and math.isfinite(self.beta)
                                                and self.beta > 0):
             out.append(f"{prefix}.beta must be a positive number, got {self.beta!r}")
-        if self.loss_type not in DPO_LOSSES:
-            out.append(f"{prefix}.loss_type must be one of {', '.join(DPO_LOSSES)}, got {self.loss_type!r}")
         if not (isinstance(self.label_smoothing, int | float) and 0.0 <= self.label_smoothing < 0.5):
             out.append(f"{prefix}.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
         elif self.label_smoothing and self.loss_type != "sigmoid":

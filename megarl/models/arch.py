@@ -163,6 +163,17 @@ def family_of(arch: ModelArch | str) -> Family:
         raise ArchError(f"model family {name!r} is not supported; supported: {', '.join(_FAMILIES)}") from None
 
 
+def positive_count(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
+    """``cfg[key]`` (or ``default`` when it is missing or null) as a count: a whole number > 0, or
+    ArchError naming the field (a head count of 0 would divide by zero, "32" or 3.5 mean a broken file)."""
+    value = cfg.get(key) if cfg.get(key) is not None else default
+    if value is None:
+        raise ArchError(f"{source}: required field {key!r} is missing")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 1:
+        raise ArchError(f"{source}: {key}={value!r} must be a positive whole number")
+    return int(value)
+
+
 def required(cfg: dict[str, Any], key: str, source: str) -> Any:
     """``cfg[key]``, or ArchError naming the field when it is missing or null."""
     if key not in cfg or cfg[key] is None:

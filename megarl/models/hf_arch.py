@@ -15,7 +15,7 @@ from typing import Any
 
 # ModelArch and its parts live in megarl.models.arch (with the family registry); they are
 # re-exported here, where most of megarl imports them from.
-from megarl.models.arch import ArchError, ModelArch, RopeConfig, family_names, family_of, required
+from megarl.models.arch import ArchError, ModelArch, RopeConfig, family_names, family_of, positive_count
 
 __all__ = ["SUPPORTED_FAMILIES", "ArchError", "ModelArch", "RopeConfig", "arch_from_hf_config", "arch_from_hf_dir",
            "load_hf_config"]
@@ -26,6 +26,9 @@ SUPPORTED_FAMILIES = family_names()
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
+    if Path(model_dir).is_file():
+        raise ArchError(f"model path {model_dir} is a file: name the HF model directory that holds config.json "
+                        "and the weights (or a megarl checkpoint directory)")
     if not Path(model_dir).is_dir():
         raise ArchError(f"model directory {model_dir} does not exist")
     if not path.is_file():
@@ -69,9 +72,6 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     The fields every family shares are read here; the family reads its own (biases, window,
     experts) through ``Family.read_hf_config``."""
 
-    def need(key: str) -> Any:
-        return required(cfg, key, source)
-
     family = cfg.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise ArchError(f"{source}: model_type {family!r} is not supported; "
@@ -81,23 +81,23 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         raise ArchError(f"{source}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
     if cfg.get("mlp_bias"):
         raise ArchError(f"{source}: mlp_bias=true is not supported")
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = positive_count(cfg, "hidden_size", source)
+    heads = positive_count(cfg, "num_attention_heads", source)
+    kv_heads = positive_count(cfg, "num_key_value_heads", source, default=heads)
     # an explicit head_dim may differ from hidden / heads (megatron-core's kv_channels)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = positive_count(cfg, "head_dim", source, default=hidden // heads or None)
     if heads % kv_heads:
         raise ArchError(f"{source}: num_attention_heads={heads} is not a multiple of "
                         f"num_key_value_heads={kv_heads}")
-    ffn = int(need("intermediate_size"))
+    ffn = positive_count(cfg, "intermediate_size", source)
     own = family_of(family).read_hf_config(cfg, source)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return ModelArch(
         family=family,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=positive_count(cfg, "vocab_size", source),
         hidden_size=hidden,
         ffn_hidden_size=own.get("ffn_hidden_size", ffn),  # an MoE family's expert width
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=positive_count(cfg, "num_hidden_layers", source),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

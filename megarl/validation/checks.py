@@ -6,7 +6,7 @@ this module: ``ranges``, ``role_checks``, ``rollout_checks``, ``rl_checks``, ``m
 
 from __future__ import annotations
 
-from megarl.config.loader import ConfigError
+from megarl.config.loader import ConfigError, enumeration_errors
 from megarl.config.schema import RunConfig
 from megarl.models.hf_arch import ModelArch
 from megarl.platform import Platform, current_platform
@@ -29,7 +29,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
     platform = platform or current_platform()
     # Ranges first, and alone: the checks below divide by sizes and step counts, and would only
     # restate an out-of-range value as a layout or batch problem.
-    refuse(range_errors(cfg) + output_dir_errors(cfg.output_dir))
+    refuse(enumeration_errors(cfg) + range_errors(cfg) + output_dir_errors(cfg.output_dir))
     errors: list[str] = []
     archs: dict[str, ModelArch] = {}
     for name, role in cfg.roles().items():

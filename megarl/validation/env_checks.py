@@ -10,8 +10,6 @@ from __future__ import annotations
 from megarl.config.schema import RunConfig
 from megarl.envs.base import ROLES
 
-CREDITS = ("episode", "turn")  # env.credit
-
 
 def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
     """(field, value, interval) of every env number, for ``ranges.out_of_range``."""
@@ -62,8 +60,6 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
 
         if problem := url_problem(env.url):
             errors.append(f"env.url {problem}")
-    if env.credit not in CREDITS:
-        errors.append(f"env.credit={env.credit!r} must be one of {', '.join(CREDITS)}")
     for i, message in enumerate(env.prelude):
         if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(
                 message.get("content"), str):

@@ -43,7 +43,7 @@ def range_errors(cfg: RunConfig) -> list[str]:
             (f"{name}.cpus_per_rank", role.cpus_per_rank, "(0, inf)"),
             (f"{name}.gpus_per_rank", role.gpus_per_rank, "(0, inf)"),
             (f"{name}.precision.fp8_amax_history_len", role.precision.fp8_amax_history_len, "[1, inf)"),
-            (f"{name}.optim.lr", opt.lr, "[0, inf)"),
+            (f"{name}.optim.lr", opt.lr, "(0, inf)"),
             (f"{name}.optim.weight_decay", opt.weight_decay, "[0, inf)"),
             (f"{name}.optim.adam_beta1", opt.adam_beta1, "[0, 1)"),
             (f"{name}.optim.adam_beta2", opt.adam_beta2, "[0, 1)"),
@@ -75,7 +75,7 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("algorithm.is_cap", algo.is_cap, "[1, inf)"),  # a truncated IS weight still reaches 1
         ("algorithm.is_low", algo.is_low, "(0, 1]"),  # [is_low, is_high] holds ratio 1: on-policy is kept
         ("algorithm.is_high", algo.is_high, "[1, inf)"),
-        ("algorithm.entropy_coef", algo.entropy_coef, "(-inf, inf)"),
+        ("algorithm.entropy_coef", algo.entropy_coef, "[0, inf)"),  # a bonus; negative would punish exploring
         ("algorithm.gamma", algo.gamma, "[0, 1]"),
         ("algorithm.lam", algo.lam, "[0, 1]"),
         ("algorithm.value_clip", algo.value_clip, "(0, inf)"),
@@ -106,6 +106,9 @@ def range_errors(cfg: RunConfig) -> list[str]:
     if data.source.startswith("reasoning_gym:") and data.size >= 1 and data.prompts_per_step > data.size:
         errors.append(f"data.prompts_per_step={data.prompts_per_step} is more than the data.size={data.size} "
                       "prompts generated")
+    if r.n > r.max_num_seqs >= 1:
+        errors.append(f"rollout.n={r.n}: a prompt's samples are generated together on one engine, which batches "
+                      f"at most rollout.max_num_seqs={r.max_num_seqs} sequences; lower n or raise max_num_seqs")
     if problem := instruction_problem("data.instruction", data.source, data.instruction):
         errors.append(problem)
     return errors

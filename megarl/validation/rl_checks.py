@@ -3,7 +3,7 @@ schedule; every message names the dotted field."""
 
 from __future__ import annotations
 
-from megarl.config.schema import DTYPES, RunConfig
+from megarl.config.schema import RunConfig
 from megarl.models.hf_arch import ModelArch
 
 TEXT_REWARD_KINDS = ("reasoning_gym", "math_verify", "format")  # the rewards that read an answer extractor
@@ -17,15 +17,25 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
     from megarl.cluster.placement import placement_errors
     from megarl.rewards.extract import resolve_extractor
     from megarl.rewards.remote import url_problem
-    from megarl.rewards.terms import REWARD_KINDS
+    from megarl.rewards.terms import REWARD_KINDS, custom_term
     from megarl.rollout.vllm_layout import vllm_padded_vocab
+    from megarl.utils.imports import is_import_path
 
     algo, rollout, data = cfg.algorithm, cfg.rollout, cfg.data
     # the algorithm's own rules and those every algorithm shares (megarl.algorithms.base.Algorithm.validate)
     errors = algorithm_errors(cfg)
     for i, term in enumerate(cfg.rewards):
-        if term.kind not in REWARD_KINDS:
-            errors.append(f"rewards[{i}].kind={term.kind!r} must be one of {', '.join(REWARD_KINDS)}")
+        if is_import_path(term.kind):  # a recipe's own scorer: imported and made here, as the run will
+            try:
+                custom_term(term)
+            except ValueError as e:
+                errors.append(f"rewards[{i}].kind: {e}")
+        elif term.kind not in REWARD_KINDS:
+            errors.append(f"rewards[{i}].kind={term.kind!r} must be one of {', '.join(REWARD_KINDS)} "
+                          "(or package.module:name)")
+        elif term.options:
+            errors.append(f"rewards[{i}].options are for a recipe's own scorer (kind: package.module:name), "
+                          f"not {term.kind!r}")
         if term.kind == "model" and cfg.reward_model is None:
             errors.append(f"rewards[{i}].kind='model' needs a reward_model role")
         if term.kind == "remote":
@@ -66,8 +76,6 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
             errors.append(f"{name}: {sequences} sequences per step (data.prompts_per_step x rollout.n) must split "
                           f"over dp={dp} ranks into {steps} minibatch(es)"
                           + (f" of micro_batch_size={role.micro_batch_size}" if fixed > 1 else ""))
-    if rollout.dtype not in DTYPES:
-        errors.append(f"rollout.dtype={rollout.dtype!r} must be one of {', '.join(DTYPES)}")
     if algo.overlong_buffer > rollout.max_tokens:
         errors.append(f"algorithm.overlong_buffer={algo.overlong_buffer} is longer than the responses "
                       f"(rollout.max_tokens={rollout.max_tokens})")
@@ -79,12 +87,6 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
             errors.append(f"data.source: reasoning-gym has no task {task!r}")
     elif not Path(data.source).is_file():
         errors.append(f"data.source: {data.source} does not exist")
-    if cfg.trainer.cpu_cores not in ("auto", "bundle"):
-        errors.append(f"trainer.cpu_cores={cfg.trainer.cpu_cores!r} must be auto or bundle")
-    if cfg.trainer.verify_sync not in ("first", "every", "never"):
-        errors.append(f"trainer.verify_sync={cfg.trainer.verify_sync!r} must be first, every or never")
-    if cfg.trainer.resume not in ("auto", "never"):
-        errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
     if cfg.trainer.critic_warmup > 0 and cfg.critic is None:
         errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.name: ppo)")
     elif cfg.trainer.critic_warmup >= cfg.trainer.steps > 0:
@@ -102,16 +104,9 @@ def schedule_errors(cfg: RunConfig) -> list[str]:
     """trainer.schedule / rollout.partial / rollout.granularity: opportunistic rollout needs
     something to overlap."""
     tr, errors = cfg.trainer, []
-    if tr.schedule not in ("exact", "opportunistic"):
-        errors.append(f"trainer.schedule={tr.schedule!r} must be exact or opportunistic")
-    if cfg.rollout.partial not in ("continue", "regenerate"):
-        errors.append(f"rollout.partial={cfg.rollout.partial!r} must be continue or regenerate")
     if tr.schedule == "opportunistic" and tr.max_staleness < 1:
         errors.append("trainer.schedule=opportunistic needs trainer.max_staleness >= 1 (at 0 nothing generates "
                       "while the actor trains, so there is nothing to interrupt)")
-    granularity = cfg.rollout.granularity
-    if granularity not in ("batch", "group"):
-        errors.append(f"rollout.granularity={granularity!r} must be batch or group")
     return errors
 
 

@@ -29,8 +29,6 @@ def rollout_fit_errors(cfg: RunConfig, actor: ModelArch, platform: Platform) -> 
 def fp8_rollout_errors(cfg: RunConfig, actor: ModelArch, platform: Platform) -> list[str]:
     """``rollout.weights`` and its block size; FP8 weights cannot pass the sync's log-prob check."""
     r = cfg.rollout
-    if r.weights not in ("model", "fp8", "fp8_emulated"):
-        return [f"rollout.weights={r.weights!r} must be model, fp8 or fp8_emulated"]
     errors = []
     if r.fp8_block is not None and (r.weights == "model" or r.fp8_block < 1):
         errors.append(f"rollout.fp8_block={r.fp8_block} needs rollout.weights=fp8 or fp8_emulated and must be >= 1")

@@ -4,6 +4,7 @@ right after, also before any process starts, naming the file and line of a bad r
 
 from __future__ import annotations
 
+from megarl.config.loader import enumeration_errors
 from megarl.config.supervised import STAGES, SupervisedConfig
 from megarl.platform import Platform, current_platform
 from megarl.validation.checks import output_dir_errors, refuse
@@ -70,7 +71,7 @@ def validate_supervised(cfg: SupervisedConfig, platform: Platform | None = None)
     platform = platform or current_platform()
     if cfg.stage not in STAGES:
         refuse([f"stage={cfg.stage!r} must be one of {', '.join(STAGES)}"])
-    refuse(_ranges(cfg) + output_dir_errors(cfg.output_dir))
+    refuse(enumeration_errors(cfg) + _ranges(cfg) + output_dir_errors(cfg.output_dir))
     errors: list[str] = []
     roles = {"model": cfg.model}
     if cfg.stage == "dpo":
@@ -84,8 +85,6 @@ def validate_supervised(cfg: SupervisedConfig, platform: Platform | None = None)
     errors += _source_errors("data.train", cfg.data.train)
     if cfg.data.eval:
         errors += _source_errors("data.eval", cfg.data.eval)
-    if cfg.trainer.resume not in ("auto", "never"):
-        errors.append(f"trainer.resume={cfg.trainer.resume!r} must be auto or never")
     if not role_errors:  # the batch arithmetic needs a sound layout
         errors += _batch_errors(cfg)
     refuse(errors)
