@@ -212,6 +212,9 @@ class RoleConfig:
 
 @dataclass
 class RolloutConfig:
+    # The engine behind the rollout (megarl.rollout.backends); validation refuses settings that
+    # need a capability it lacks (interrupting, episodes, group streams, route capture)
+    backend: str = "vllm"
     tp: int = 1
     engines: int = 1
     dtype: Dtype = "float32"

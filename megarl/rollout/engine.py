@@ -1,88 +1,30 @@
-"""What a rollout backend offers the driver: the ``RolloutEngine`` interface.
+"""What a rollout backend offers the driver: a core protocol and capability protocols.
 
-Every caller reaches an engine through a Ray actor handle (``engine.generate.remote(...)``),
-so this protocol names each method any caller uses, with its arguments; ``VLLMEngine`` is
-the implementation, and ``tests/test_rollout_seam.py`` checks both directions (every
-method called on an engine handle is declared here, every method declared here exists on
-``VLLMEngine`` with the same parameters). A new backend implements this, its worker-side
-receiver of the weight-sync plan, and the destination layout the sync planner builds for.
+Every caller reaches an engine through a Ray actor handle (``engine.generate.remote(...)``).
+``RolloutEngine`` is what every backend implements: liveness, generation and scoring, sleep and
+wake, and the receiving side of the weight sync (``WeightReceiver``). What only some backends can
+do is a capability, each with its own protocol (``CAPABILITY_PROTOCOLS``): interrupting
+generation, hosting multi-turn episodes, suspending them across a sync, streaming groups,
+recording MoE routes. A backend names its capabilities in ``megarl.rollout.backends``, and
+validation refuses, before any process starts, a run whose settings need one it lacks.
+
+``tests/test_rollout_seam.py`` holds this to the code: every method called on an engine handle
+(``.remote(...)`` and ``.options(...).remote(...)``) is declared in one of these protocols, and
+each backend implements the core and the protocols of the capabilities it claims, with the same
+parameters. A new backend is one module (its engine and worker-side receiver) and one registry
+entry; it implements ``RolloutEngine`` and ``WeightReceiver`` (the list in ``core_methods()``) and
+whichever capability protocols it can.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 
 
-class RolloutEngine(Protocol):
-    # -- start-up and liveness (liveness answers while generate or a sync blocks) -----------------
-
-    def ready(self) -> bool:
-        """True once the engine has loaded (returning at all is the signal)."""
-
-    def health(self) -> Any:
-        """The engine's pid, its own processes and those of them that died (``EngineHealth``)."""
-
-    def kill_processes(self) -> int:
-        """SIGKILLs the backend's processes (teardown after a failure); how many it killed."""
-
-    def busy_seconds(self) -> float:
-        """Seconds spent generating since start (answers while generate blocks)."""
-
-    def sampled_tokens(self) -> int:
-        """Tokens sampled since start by the calls driven a step at a time (answers while they block)."""
-
-    # -- generation and scoring ---------------------------------------------------------------
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
-        """``sampling.n`` samples per prompt: response ids, per-token log-probs after the
-        sampling transforms (temperature first), finish reason. Refuses when
-        ``sampling.weight_version`` is set and is not the engine's."""
-
-    def generate_segments(self, requests: list[SegmentRequest], sampling: SamplingConfig,
-                          epoch: int) -> list[RolloutSample]:
-        """One sample per request, continued from its prompt, stopped early (finish reason
-        "interrupted", the tokens so far returned) once ``interrupt`` reaches ``epoch``."""
-
-    def interrupt(self, epoch: int) -> None:
-        """Stops the ``generate_segments`` (and interruptible ``generate_episodes``) calls of
-        ``epoch`` or earlier at their next step; answers while generation blocks."""
-
-    def generate_episodes(self, requests: list[Any], sampling: SamplingConfig, env: Any, rewards: list[Any],
-                          limits: Any, epoch: int | None = None, keep: str | None = None) -> list[Any]:
-        """Multi-turn episodes (``EpisodeRequest`` in, ``Trajectory`` out, in order) against
-        ``env`` (an ``EnvConfig``), final answers scored by the ``rewards`` terms; the same
-        version fence as ``generate``. With ``epoch``, ``interrupt`` of it stops the unfinished
-        episodes (None in their places): dropped, or with ``keep`` suspended under that name."""
-
-    def continue_episodes(self, keep: str, sampling: SamplingConfig, epoch: int) -> list[Any]:
-        """The episodes suspended under ``keep`` go on with the weights held now (in request order;
-        None: suspended again by ``interrupt`` of ``epoch``)."""
-
-    def drop_episodes(self, keep: str) -> None:
-        """Forgets the episodes suspended under ``keep`` (their environments close)."""
-
-    def add_groups(self, stream: int, prompts: list[tuple[int, list[int]]]) -> None:
-        """More prompts (index in the batch, token ids) for ``serve_groups`` call ``stream``, in
-        either order with that call; an empty list closes it. Answers while generation blocks."""
-
-    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Any:
-        """A streaming call (``rollout.granularity: group``): every prompt ``add_groups`` sends,
-        each prompt's ``sampling.n`` samples yielded as ``(index, samples)`` when they finish."""
-
-    def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: Any, rewards: list[Any],
-                             limits: Any, epoch: int | None = None, suspend: bool = False) -> Any:
-        """``serve_groups`` for multi-turn episodes: ``add_groups`` sends (index, an
-        ``EpisodeRequest`` or None per episode of the group); each group yielded as ``(index, a
-        Trajectory or None per episode)``. With ``epoch``, ``interrupt`` of it ends the call, the
-        open groups coming back at once, their unfinished episodes dropped or (``suspend``) kept
-        for ``continue_episodes``."""
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""
-
-    # -- weight sync (the receiving side of megarl.workers.weight_sync) -----------------------------
+class WeightReceiver(Protocol):
+    """The receiving side of megarl.workers.weight_sync: every backend of an RL run has it."""
 
     def param_meta(self) -> list[dict[str, Any]]:
         """Per worker: its TP rank and its parameters' logical shapes (for sync plans)."""
@@ -103,6 +45,36 @@ class RolloutEngine(Protocol):
     def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
         """Receives this engine's shards in place; per worker, bytes, seconds (and checksums)."""
 
+
+class RolloutEngine(WeightReceiver, Protocol):
+    """The core every backend implements."""
+
+    # -- start-up and liveness (liveness answers while generate or a sync blocks) -----------------
+
+    def ready(self) -> bool:
+        """True once the engine has loaded (returning at all is the signal)."""
+
+    def health(self) -> Any:
+        """The engine's pid, its own processes and those of them that died (``EngineHealth``)."""
+
+    def kill_processes(self) -> int:
+        """SIGKILLs the backend's processes (teardown after a failure); how many it killed."""
+
+    def busy_seconds(self) -> float:
+        """Seconds spent generating since start (answers while generate blocks)."""
+
+    def shutdown(self) -> None: ...
+
+    # -- generation and scoring ---------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
+        """``sampling.n`` samples per prompt: response ids, per-token log-probs after the
+        sampling transforms (temperature first), finish reason. Refuses when
+        ``sampling.weight_version`` is set and is not the engine's."""
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token_i | tokens_<i) for i >= 1: the engine's own scoring (weight-sync checks)."""
+
     def set_weight_version(self, version: int) -> None:
         """Which policy version the weights just received are."""
 
@@ -116,4 +88,104 @@ class RolloutEngine(Protocol):
 
     def wake_up_kv_cache(self) -> None: ...
 
-    def shutdown(self) -> None: ...
+
+# -- capabilities ------------------------------------------------------------------------------
+
+Capability = Literal["interrupt", "episodes", "suspend_episodes", "group_streams", "route_capture",
+                     "token_meter"]
+CAPABILITIES: tuple[str, ...] = get_args(Capability)
+
+
+class Interruptible(Protocol):
+    """trainer.schedule: opportunistic: generation stopped at a weight sync and continued after."""
+
+    def generate_segments(self, requests: list[SegmentRequest], sampling: SamplingConfig,
+                          epoch: int) -> list[RolloutSample]:
+        """One sample per request, continued from its prompt, stopped early (finish reason
+        "interrupted", the tokens so far returned) once ``interrupt`` reaches ``epoch``."""
+
+    def interrupt(self, epoch: int) -> None:
+        """Stops the ``generate_segments`` (and interruptible ``generate_episodes``) calls of
+        ``epoch`` or earlier at their next step; answers while generation blocks."""
+
+
+class EpisodeHost(Protocol):
+    """env: multi-turn episodes run inside the engine, against the run's environment."""
+
+    def generate_episodes(self, requests: list[Any], sampling: SamplingConfig, env: Any, rewards: list[Any],
+                          limits: Any, epoch: int | None = None, keep: str | None = None) -> list[Any]:
+        """Multi-turn episodes (``EpisodeRequest`` in, ``Trajectory`` out, in order) against
+        ``env`` (an ``EnvConfig``), final answers scored by the ``rewards`` terms; the same
+        version fence as ``generate``. With ``epoch``, ``interrupt`` of it stops the unfinished
+        episodes (None in their places): dropped, or with ``keep`` suspended under that name."""
+
+
+class EpisodeSuspension(Protocol):
+    """env with trainer.schedule: opportunistic and rollout.partial: continue: episodes kept
+    across a weight sync and continued under the new weights."""
+
+    def continue_episodes(self, keep: str, sampling: SamplingConfig, epoch: int) -> list[Any]:
+        """The episodes suspended under ``keep`` go on with the weights held now (in request order;
+        None: suspended again by ``interrupt`` of ``epoch``)."""
+
+    def drop_episodes(self, keep: str) -> None:
+        """Forgets the episodes suspended under ``keep`` (their environments close)."""
+
+
+class GroupStreaming(Protocol):
+    """rollout.granularity: group: prompts fed to a streaming call, each prompt's group back as
+    soon as it finishes (called with ``.options(num_returns="streaming")``)."""
+
+    def add_groups(self, stream: int, prompts: list[tuple[int, list[int]]]) -> None:
+        """More prompts (index in the batch, token ids) for ``serve_groups`` call ``stream``, in
+        either order with that call; an empty list closes it. Answers while generation blocks."""
+
+    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Any:
+        """Every prompt ``add_groups`` sends, each prompt's ``sampling.n`` samples yielded as
+        ``(index, samples)`` when they finish."""
+
+    def serve_segment_groups(self, stream: int, sampling: SamplingConfig, epoch: int) -> Any:
+        """``serve_groups`` for the opportunistic schedule: ``add_groups`` sends (index, a list of
+        ``SegmentRequest``, one per sample); ``interrupt`` of ``epoch`` ends the call, the open groups
+        coming back at once with their samples "interrupted"."""
+
+    def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: Any, rewards: list[Any],
+                             limits: Any, epoch: int | None = None, suspend: bool = False) -> Any:
+        """``serve_groups`` for multi-turn episodes: ``add_groups`` sends (index, an
+        ``EpisodeRequest`` or None per episode of the group); each group yielded as ``(index, a
+        Trajectory or None per episode)``. With ``epoch``, ``interrupt`` of it ends the call, the
+        open groups coming back at once, their unfinished episodes dropped or (``suspend``) kept
+        for ``continue_episodes``."""
+
+
+class RouteCapture(Protocol):
+    """actor.moe.routing_replay (R3): the engine built with ``routing_replay=True`` returns each
+    sample's expert routes (``RolloutSample.routes``); no method of its own."""
+
+
+class TokenMeter(Protocol):
+    """Benchmarks' throughput: tokens sampled, read while generation blocks."""
+
+    def sampled_tokens(self) -> int:
+        """Tokens sampled since start by the calls driven a step at a time (answers while they block)."""
+
+
+CAPABILITY_PROTOCOLS: dict[str, type] = {
+    "interrupt": Interruptible, "episodes": EpisodeHost, "suspend_episodes": EpisodeSuspension,
+    "group_streams": GroupStreaming, "route_capture": RouteCapture, "token_meter": TokenMeter,
+}
+
+
+def protocol_methods(protocol: type) -> dict[str, Any]:
+    """The methods a protocol declares itself and through its bases (its own names, not object's)."""
+    found: dict[str, Any] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls is object or cls is Protocol or not getattr(cls, "_is_protocol", False):
+            continue
+        found |= {n: f for n, f in vars(cls).items() if callable(f) and not n.startswith("_")}
+    return found
+
+
+def core_methods() -> list[str]:
+    """What every backend implements: the list a second backend starts from."""
+    return sorted(protocol_methods(RolloutEngine))

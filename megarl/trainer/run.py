@@ -147,12 +147,14 @@ class Run:
         self.watchdog.start()
 
     def _start_engines(self, actor_hf: Path, slot) -> list:
+        from megarl.rollout.backends import BACKENDS
         from megarl.rollout.remote import start_engine
 
         r = self.cfg.rollout
+        engine_class = BACKENDS[r.backend].load()
         return [start_engine(str(actor_hf), tp=r.tp, dtype=r.dtype, max_model_len=r.max_model_len,
-                             max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib, seed=self.cfg.seed,
-                             gpu_memory_utilization=r.gpu_memory_utilization,
+                             engine_class=engine_class, max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib,
+                             seed=self.cfg.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                              load_format="dummy" if self.engines_start_blank else "auto",
                              weights=r.weights, fp8_block=r.fp8_block,
                              expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,

@@ -10,6 +10,7 @@ from megarl.config.loader import ConfigError, enumeration_errors
 from megarl.config.schema import RunConfig
 from megarl.models.hf_arch import ModelArch
 from megarl.platform import Platform, current_platform
+from megarl.rollout.backends import backend_errors
 from megarl.validation.eval_checks import eval_errors
 from megarl.validation.memory import memory_saver_errors
 from megarl.validation.ranges import range_errors
@@ -48,6 +49,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += expert_parallel_rollout_errors(cfg, archs["actor"], platform)
         errors += fp8_rollout_errors(cfg, archs["actor"], platform)
         errors += routing_replay_errors(cfg)
+        errors += backend_errors(cfg)
         if not errors:  # reads the whole dataset: only once the rest is known to be sound
             errors += data_errors(cfg) + eval_errors(cfg)
     refuse(errors)
