@@ -25,8 +25,18 @@ def test_tis_truncates_each_tokens_ratio_at_the_cap():
     close(fix.keep, MASK)
 
 
-def test_icepop_drops_tokens_whose_ratio_leaves_the_band():
+def test_icepop_is_the_papers_masking_function():
+    """IcePop's M(r) = r inside [low, high], 0 outside: kept tokens weighted by their ratio."""
+    fix = off_policy_correction("icepop", OLD, ROLLOUT, MASK, low=0.3, high=1.7)
+    # row 0: e^0.5 = 1.6487, e^-1 = 0.3679 and 1 all inside [0.3, 1.7]; row 1: e = 2.718 > 1.7 twice
+    close(fix.weights, [[math.exp(0.5), 1 / E, 1.0], [0.0, 0.0, 0.0]])
+    close(fix.keep, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     fix = off_policy_correction("icepop", OLD, ROLLOUT, MASK, low=0.5, high=1.5)
+    close(fix.weights * fix.keep, [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])  # 1.6487 > 1.5, 0.3679 < 0.5
+
+
+def test_token_mask_drops_tokens_whose_ratio_leaves_the_band():
+    fix = off_policy_correction("token_mask", OLD, ROLLOUT, MASK, low=0.5, high=1.5)
     close(fix.weights, torch.ones(2, 3))
     close(fix.keep, [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])  # 1.6487 > 1.5, 0.3679 < 0.5, 2.718 > 1.5
 
@@ -65,6 +75,7 @@ def test_mismatch_metrics_by_hand():
     # token-mean over 3 tokens, A = +1, ratio pi/pi_old = 1: loss = -sum(w * keep) / 3, dloss/dlp = -w * keep / 3
     ("tis", -(1.5 + 1 / E + 1.0) / 3, [-0.5, -1 / (3 * E), -1 / 3]),
     ("icepop", -1 / 3, [0.0, 0.0, -1 / 3]),
+    ("token_mask", -1 / 3, [0.0, 0.0, -1 / 3]),
     ("none", -1.0, [-1 / 3] * 3),
 ])
 def test_the_rank_applies_the_correction_to_the_policy_gradient(rank_loss, kind, loss, grad):  # noqa: F811

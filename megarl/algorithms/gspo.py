@@ -48,9 +48,9 @@ class GSPO(GRPO):
         if cfg.aggregation == "seq-mean-token-sum":
             errors.append("algorithm.aggregation='seq-mean-token-sum': gspo's sequence ratio is already "
                           "length-normalised; use seq-mean-token-mean (or token-mean)")
-        if cfg.off_policy_correction == "tis":
-            errors.append("algorithm.off_policy_correction='tis' weighs single tokens, gspo weighs whole sequences; "
-                          "use mis or icepop")
+        if cfg.off_policy_correction in ("tis", "icepop"):
+            errors.append(f"algorithm.off_policy_correction={cfg.off_policy_correction!r} weighs single tokens, gspo "
+                          "weighs whole sequences; use mis or token_mask")
         return errors
 
     def policy_loss(self, cfg: AlgorithmConfig, mb: PolicyMicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

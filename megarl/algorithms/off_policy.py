@@ -6,10 +6,15 @@ With ``r_t = pi_old(y_t) / mu(y_t)`` over the valid response tokens of each sequ
 - ``tis``: truncated importance sampling, per token: the policy-gradient term of token t is
   weighted by ``min(r_t, cap)`` (Yao et al. 2025, "Your efficient RL framework secretly brings you
   off-policy RL training").
-- ``mis``: masked importance sampling, per sequence: a sequence whose geometric-mean ratio
-  ``exp(mean_t log r_t)`` leaves ``[low, high]`` is dropped from the policy gradient whole.
-- ``icepop``: per token: a token whose ``r_t`` leaves ``[low, high]`` is dropped (IcePop, Ling
-  team 2025); the others keep weight 1.
+- ``mis``: sequence-level masking: a sequence whose geometric-mean ratio ``exp(mean_t log r_t)``
+  leaves ``[low, high]`` is dropped from the policy gradient whole; the kept ones keep weight 1.
+  This is the length-normalised (geometric) sequence mask, not sequence-level masked IS with the
+  product ratio as weight: over long responses the product leaves any fixed band.
+- ``icepop``: IcePop as published (Ling team 2025), per token: the masking function
+  ``M(r) = r`` inside ``[low, high]`` and 0 outside, i.e. a kept token's policy-gradient term is
+  weighted by its ratio, a token outside the band is dropped.
+- ``token_mask``: the same band per token, the kept tokens weighted 1 (a pure mask: what megarl
+  called ``icepop`` before it followed the paper).
 - ``none``: weight 1 everywhere, nothing dropped.
 
 Weights and keep-masks are targets, never differentiated (computed under ``no_grad``); dropped and
@@ -47,7 +52,7 @@ def log_ratios(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask:
 def off_policy_correction(kind: OffPolicyCorrection, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                           mask: torch.Tensor, cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> Correction:
     """The weights and keep-mask of ``kind`` (see the module docstring); ``cap`` for ``tis``,
-    ``[low, high]`` for ``mis`` and ``icepop``."""
+    ``[low, high]`` for ``mis``, ``icepop`` and ``token_mask``."""
     if kind not in OFF_POLICY_CORRECTIONS:
         raise ValueError(f"unknown off-policy correction {kind!r}; expected one of {OFF_POLICY_CORRECTIONS}")
     if not 0 < low <= 1 <= high or cap < 1:
@@ -59,8 +64,10 @@ def off_policy_correction(kind: OffPolicyCorrection, old_logprobs: torch.Tensor,
     keep = valid
     if kind == "tis":
         weights = torch.where(valid, ratio.clamp(max=cap), torch.zeros_like(ratio))
-    elif kind == "icepop":
+    elif kind in ("icepop", "token_mask"):
         keep = valid & (ratio >= low) & (ratio <= high)
+        if kind == "icepop":  # M(r) = r in the band (the dropped tokens' weight is moot: keep is 0)
+            weights = torch.where(keep, ratio, torch.zeros_like(ratio))
     elif kind == "mis":
         counts = valid.sum(dim=1)
         geometric = torch.exp(log_r.sum(dim=1) / counts.clamp(min=1))

@@ -28,7 +28,7 @@ RolloutGranularity = Literal["batch", "group"]
 Credit = Literal["episode", "turn"]
 KLEstimator = Literal["k1", "k2", "k3"]
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-OffPolicyCorrection = Literal["none", "tis", "mis", "icepop"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "icepop", "token_mask"]
 Resume = Literal["auto", "never"]
 VerifySync = Literal["first", "every", "never"]
 Schedule = Literal["exact", "opportunistic"]
@@ -400,8 +400,9 @@ class AlgorithmConfig:
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens (0: off)
     overlong_penalty: float = 1.0
     # Rollout/trainer mismatch correction of the policy gradient (megarl.algorithms.off_policy):
-    # none | tis (token weights min(r, is_cap)) | mis (drop sequences whose geometric-mean ratio
-    # leaves [is_low, is_high]) | icepop (drop tokens whose ratio leaves it); r = pi_old / mu.
+    # tis: token weights min(r, is_cap); mis: drop sequences whose geometric-mean ratio leaves
+    # [is_low, is_high]; icepop: token weights r inside that band, tokens outside it dropped (the
+    # paper's M(r)); token_mask: the same band, kept tokens weighted 1; r = pi_old / mu.
     off_policy_correction: OffPolicyCorrection = "none"
     is_cap: float = 2.0
     is_low: float = 0.5
