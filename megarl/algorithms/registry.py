@@ -15,6 +15,7 @@ from megarl.algorithms.gspo import GSPO
 from megarl.algorithms.ppo import PPO
 from megarl.algorithms.reinforce_pp import ReinforcePP
 from megarl.algorithms.rloo import RLOO
+from megarl.algorithms.sapo import SAPO
 from megarl.config.schema import RunConfig
 
 _REGISTERED: tuple[Algorithm, ...] = (
@@ -25,6 +26,7 @@ _REGISTERED: tuple[Algorithm, ...] = (
     PPO(),
     GSPO(),
     CISPO(),
+    SAPO(),
 )
 _BY_NAME = {algorithm.name: algorithm for algorithm in _REGISTERED}
 ALGORITHMS: tuple[str, ...] = tuple(_BY_NAME)

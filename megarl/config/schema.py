@@ -374,12 +374,14 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, str | float | bool | None]] = {
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"},
     # CISPO (MiniMax-M1): no lower bound on the importance weight (None), DAPO's clip-higher as its upper one
     "cispo": {"clip_low": None, "clip_high": 0.28},
+    # SAPO (Gao et al. 2025): the paper's per-sequence mean of token losses
+    "sapo": {"aggregation": "seq-mean-token-mean"},
 }
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo | cispo (megarl.algorithms.registry)
+    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo | cispo | sapo (megarl.algorithms.registry)
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     kl_in_reward: bool = False  # else a KL term in the policy loss
@@ -407,6 +409,9 @@ class AlgorithmConfig:
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0
+    # sapo: the soft gate's temperatures for positive and negative advantages (megarl.algorithms.sapo)
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
     def __post_init__(self) -> None:
         for key, value in {**ALGORITHM_DEFAULTS["*"], **ALGORITHM_DEFAULTS.get(self.name, {})}.items():

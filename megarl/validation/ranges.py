@@ -75,6 +75,8 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("algorithm.is_cap", algo.is_cap, "[1, inf)"),  # a truncated IS weight still reaches 1
         ("algorithm.is_low", algo.is_low, "(0, 1]"),  # [is_low, is_high] holds ratio 1: on-policy is kept
         ("algorithm.is_high", algo.is_high, "[1, inf)"),
+        ("algorithm.sapo_tau_pos", algo.sapo_tau_pos, "(0, inf)"),  # the gate's temperature: 4 / tau
+        ("algorithm.sapo_tau_neg", algo.sapo_tau_neg, "(0, inf)"),
         ("algorithm.entropy_coef", algo.entropy_coef, "[0, inf)"),  # a bonus; negative would punish exploring
         ("algorithm.gamma", algo.gamma, "[0, 1]"),
         ("algorithm.lam", algo.lam, "[0, 1]"),
