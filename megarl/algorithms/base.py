@@ -194,6 +194,9 @@ class Algorithm:
             # the KL would be computed and dropped: it is in neither the reward nor the loss
             errors.append(f"algorithm.kl_in_reward=True: {self.name} rewards whole sequences, there is no per-token "
                           "reward to put the KL in; set it to false for the KL term in the loss")
+        if algo.is_floor is not None and algo.off_policy_correction != "tis":
+            errors.append(f"algorithm.is_floor={algo.is_floor} bounds truncated importance weights from below; "
+                          f"off_policy_correction={algo.off_policy_correction!r} has none (use tis)")
         return errors + self.errors(algo)
 
     def errors(self, cfg: AlgorithmConfig) -> list[str]:
@@ -242,7 +245,7 @@ class Algorithm:
                 raise ValueError(f"algorithm.off_policy_correction={cfg.off_policy_correction!r} needs the rollout's "
                                  "log-probs in the batch")
             fix = off_policy_correction(cfg.off_policy_correction, mb.old_logprobs, mb.rollout_logprobs, mb.mask,
-                                        cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high)
+                                        cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high, floor=cfg.is_floor)
             advantages = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
             # dropped tokens add 0; the normaliser stays the batch's
             pg = replace(mb, advantages=advantages * fix.weights, mask=mb.mask * fix.keep)

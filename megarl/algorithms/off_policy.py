@@ -5,7 +5,10 @@ With ``r_t = pi_old(y_t) / mu(y_t)`` over the valid response tokens of each sequ
 
 - ``tis``: truncated importance sampling, per token: the policy-gradient term of token t is
   weighted by ``min(r_t, cap)`` (Yao et al. 2025, "Your efficient RL framework secretly brings you
-  off-policy RL training").
+  off-policy RL training"); with a ``floor`` (``algorithm.is_floor``, in (0, 1]) by
+  ``clip(r_t, floor, cap)``, as slime's ``--tis-clip-low`` / ``--tis-clip`` (its GLM recipes use
+  0.5 and 2): a token the engine over-sampled keeps at least that weight instead of nearly none,
+  a bias traded for a bound on how little any sampled token can count.
 - ``mis``: sequence-level masking: a sequence whose geometric-mean ratio ``exp(mean_t log r_t)``
   leaves ``[low, high]`` is dropped from the policy gradient whole; the kept ones keep weight 1.
   This is the length-normalised (geometric) sequence mask, not sequence-level masked IS with the
@@ -50,20 +53,23 @@ def log_ratios(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask:
 
 @torch.no_grad()
 def off_policy_correction(kind: OffPolicyCorrection, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                          mask: torch.Tensor, cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> Correction:
-    """The weights and keep-mask of ``kind`` (see the module docstring); ``cap`` for ``tis``,
-    ``[low, high]`` for ``mis``, ``icepop`` and ``token_mask``."""
+                          mask: torch.Tensor, cap: float = 2.0, low: float = 0.5, high: float = 2.0,
+                          floor: float | None = None) -> Correction:
+    """The weights and keep-mask of ``kind`` (see the module docstring); ``cap`` and ``floor``
+    (None: no lower bound) for ``tis``, ``[low, high]`` for ``mis``, ``icepop`` and ``token_mask``."""
     if kind not in OFF_POLICY_CORRECTIONS:
         raise ValueError(f"unknown off-policy correction {kind!r}; expected one of {OFF_POLICY_CORRECTIONS}")
     if not 0 < low <= 1 <= high or cap < 1:
         raise ValueError(f"need 0 < low <= 1 <= high and cap >= 1, got low={low}, high={high}, cap={cap}")
+    if floor is not None and not 0 < floor <= 1:
+        raise ValueError(f"need 0 < floor <= 1, got floor={floor}")
     valid = mask.bool()
     log_r = log_ratios(old_logprobs, rollout_logprobs, mask)
     ratio = torch.exp(log_r)  # 1 at masked positions
     weights = torch.ones_like(ratio)
     keep = valid
     if kind == "tis":
-        weights = torch.where(valid, ratio.clamp(max=cap), torch.zeros_like(ratio))
+        weights = torch.where(valid, ratio.clamp(min=floor, max=cap), torch.zeros_like(ratio))
     elif kind in ("icepop", "token_mask"):
         keep = valid & (ratio >= low) & (ratio <= high)
         if kind == "icepop":  # M(r) = r in the band (the dropped tokens' weight is moot: keep is 0)

@@ -407,6 +407,7 @@ class AlgorithmConfig:
     # paper's M(r)); token_mask: the same band, kept tokens weighted 1; r = pi_old / mu.
     off_policy_correction: OffPolicyCorrection = "none"
     is_cap: float = 2.0
+    is_floor: float | None = None  # tis: a lower bound on the weight too, clip(r, is_floor, is_cap); None: none
     is_low: float = 0.5
     is_high: float = 2.0
     # sapo: the soft gate's temperatures for positive and negative advantages (megarl.algorithms.sapo)

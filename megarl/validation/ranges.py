@@ -73,6 +73,7 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("algorithm.clip_high", algo.clip_high, "[0, inf)"),
         ("algorithm.dual_clip", algo.dual_clip, "(1, inf)"),  # the dual bound c > 1 (Ye et al. 2020)
         ("algorithm.is_cap", algo.is_cap, "[1, inf)"),  # a truncated IS weight still reaches 1
+        ("algorithm.is_floor", algo.is_floor, "(0, 1]"),  # ... and so does one bounded below
         ("algorithm.is_low", algo.is_low, "(0, 1]"),  # [is_low, is_high] holds ratio 1: on-policy is kept
         ("algorithm.is_high", algo.is_high, "[1, inf)"),
         ("algorithm.sapo_tau_pos", algo.sapo_tau_pos, "(0, inf)"),  # the gate's temperature: 4 / tau
