@@ -73,4 +73,4 @@ def test_a_floor_needs_a_truncated_weight():
     assert algorithm_errors(ok) == [] and not [e for e in range_errors(ok) if "is_floor" in e]
     cfg = load_config(RunConfig, overrides=["algorithm.off_policy_correction=mis", "algorithm.is_floor=0.5"])
     assert algorithm_errors(cfg) == ["algorithm.is_floor=0.5 bounds truncated importance weights from below; "
-                                     "off_policy_correction='mis' has none (use tis)"]
+                                     "off_policy_correction='mis' has none (use tis or seq_tis)"]

@@ -194,9 +194,9 @@ class Algorithm:
             # the KL would be computed and dropped: it is in neither the reward nor the loss
             errors.append(f"algorithm.kl_in_reward=True: {self.name} rewards whole sequences, there is no per-token "
                           "reward to put the KL in; set it to false for the KL term in the loss")
-        if algo.is_floor is not None and algo.off_policy_correction != "tis":
+        if algo.is_floor is not None and algo.off_policy_correction not in ("tis", "seq_tis"):
             errors.append(f"algorithm.is_floor={algo.is_floor} bounds truncated importance weights from below; "
-                          f"off_policy_correction={algo.off_policy_correction!r} has none (use tis)")
+                          f"off_policy_correction={algo.off_policy_correction!r} has none (use tis or seq_tis)")
         return errors + self.errors(algo)
 
     def errors(self, cfg: AlgorithmConfig) -> list[str]:

@@ -18,6 +18,9 @@ With ``r_t = pi_old(y_t) / mu(y_t)`` over the valid response tokens of each sequ
   weighted by its ratio, a token outside the band is dropped.
 - ``token_mask``: the same band per token, the kept tokens weighted 1 (a pure mask: what megarl
   called ``icepop`` before it followed the paper).
+- ``seq_tis``: sequence-level truncated importance sampling: every term of a sequence weighted
+  by its truncated geometric-mean ratio ``min(exp(mean_t log r_t), cap)`` (``floor`` as for
+  ``tis``): :mod:`megarl.algorithms.seq_tis`.
 - ``none``: weight 1 everywhere, nothing dropped.
 
 Weights and keep-masks are targets, never differentiated (computed under ``no_grad``); dropped and
@@ -32,6 +35,7 @@ from typing import get_args
 import torch
 
 from megarl.algorithms.masked import masked_mean
+from megarl.algorithms.seq_tis import sequence_tis_weights
 from megarl.config.schema import OffPolicyCorrection
 
 OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
@@ -56,7 +60,8 @@ def off_policy_correction(kind: OffPolicyCorrection, old_logprobs: torch.Tensor,
                           mask: torch.Tensor, cap: float = 2.0, low: float = 0.5, high: float = 2.0,
                           floor: float | None = None) -> Correction:
     """The weights and keep-mask of ``kind`` (see the module docstring); ``cap`` and ``floor``
-    (None: no lower bound) for ``tis``, ``[low, high]`` for ``mis``, ``icepop`` and ``token_mask``."""
+    (None: no lower bound) for ``tis`` and ``seq_tis``, ``[low, high]`` for ``mis``, ``icepop`` and
+    ``token_mask``."""
     if kind not in OFF_POLICY_CORRECTIONS:
         raise ValueError(f"unknown off-policy correction {kind!r}; expected one of {OFF_POLICY_CORRECTIONS}")
     if not 0 < low <= 1 <= high or cap < 1:
@@ -70,6 +75,8 @@ def off_policy_correction(kind: OffPolicyCorrection, old_logprobs: torch.Tensor,
     keep = valid
     if kind == "tis":
         weights = torch.where(valid, ratio.clamp(min=floor, max=cap), torch.zeros_like(ratio))
+    elif kind == "seq_tis":
+        weights = sequence_tis_weights(log_r, mask, cap, floor)
     elif kind in ("icepop", "token_mask"):
         keep = valid & (ratio >= low) & (ratio <= high)
         if kind == "icepop":  # M(r) = r in the band (the dropped tokens' weight is moot: keep is 0)

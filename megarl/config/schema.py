@@ -28,7 +28,7 @@ RolloutGranularity = Literal["batch", "group"]
 Credit = Literal["episode", "turn"]
 KLEstimator = Literal["k1", "k2", "k3"]
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-OffPolicyCorrection = Literal["none", "tis", "mis", "icepop", "token_mask"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "icepop", "token_mask", "seq_tis"]
 Resume = Literal["auto", "never"]
 VerifySync = Literal["first", "every", "never"]
 Schedule = Literal["exact", "opportunistic"]
@@ -405,9 +405,10 @@ class AlgorithmConfig:
     # tis: token weights min(r, is_cap); mis: drop sequences whose geometric-mean ratio leaves
     # [is_low, is_high]; icepop: token weights r inside that band, tokens outside it dropped (the
     # paper's M(r)); token_mask: the same band, kept tokens weighted 1; r = pi_old / mu.
+    # seq_tis: each sequence's weights min(its geometric-mean r, is_cap) (megarl.algorithms.seq_tis).
     off_policy_correction: OffPolicyCorrection = "none"
     is_cap: float = 2.0
-    is_floor: float | None = None  # tis: a lower bound on the weight too, clip(r, is_floor, is_cap); None: none
+    is_floor: float | None = None  # tis, seq_tis: a lower bound on the weight too, clip(r, is_floor, is_cap)
     is_low: float = 0.5
     is_high: float = 2.0
     # sapo: the soft gate's temperatures for positive and negative advantages (megarl.algorithms.sapo)
