@@ -194,6 +194,9 @@ class Algorithm:
             # the KL would be computed and dropped: it is in neither the reward nor the loss
             errors.append(f"algorithm.kl_in_reward=True: {self.name} rewards whole sequences, there is no per-token "
                           "reward to put the KL in; set it to false for the KL term in the loss")
+        if algo.kl_target is not None and not algo.kl_coef > 0:
+            errors.append(f"algorithm.kl_target={algo.kl_target} adapts kl_coef by scaling it, from its first value: "
+                          f"kl_coef={algo.kl_coef} would stay there; set kl_coef > 0")
         if algo.is_floor is not None and algo.off_policy_correction not in ("tis", "seq_tis"):
             errors.append(f"algorithm.is_floor={algo.is_floor} bounds truncated importance weights from below; "
                           f"off_policy_correction={algo.off_policy_correction!r} has none (use tis or seq_tis)")

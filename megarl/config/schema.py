@@ -385,6 +385,8 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     kl_in_reward: bool = False  # else a KL term in the policy loss
+    kl_target: float | None = None  # adapt kl_coef toward this KL per token (megarl.algorithms.kl_control); None: fixed
+    kl_horizon: int = 10000  # kl_target: a step moves kl_coef by at most 0.2 x its samples / kl_horizon of itself
     # The policy ratio's clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
     # clip-higher. None: the algorithm's default (ALGORITHM_DEFAULTS).
     clip_low: float | None = None

@@ -69,6 +69,8 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("data.prompts_per_step", data.prompts_per_step, "[1, inf)"),
         ("data.max_prompt_len", data.max_prompt_len, "[1, inf)"),
         ("algorithm.kl_coef", algo.kl_coef, "[0, inf)"),
+        ("algorithm.kl_target", algo.kl_target, "(0, inf)"),
+        ("algorithm.kl_horizon", algo.kl_horizon, "[1, inf)"),
         ("algorithm.clip_low", algo.clip_low, "[0, 1)"),  # the ratio's lower bound 1 - clip_low stays > 0
         ("algorithm.clip_high", algo.clip_high, "[0, inf)"),
         ("algorithm.dual_clip", algo.dual_clip, "(1, inf)"),  # the dual bound c > 1 (Ye et al. 2020)
