@@ -10,6 +10,7 @@ from __future__ import annotations
 from megarl.algorithms.base import Algorithm
 from megarl.algorithms.cispo import CISPO
 from megarl.algorithms.dr_grpo import DrGRPO
+from megarl.algorithms.entropy_cov import ClipCov, KLCov
 from megarl.algorithms.grpo import GRPO
 from megarl.algorithms.gspo import GSPO
 from megarl.algorithms.ppo import PPO
@@ -27,6 +28,8 @@ _REGISTERED: tuple[Algorithm, ...] = (
     GSPO(),
     CISPO(),
     SAPO(),
+    ClipCov(),
+    KLCov(),
 )
 _BY_NAME = {algorithm.name: algorithm for algorithm in _REGISTERED}
 ALGORITHMS: tuple[str, ...] = tuple(_BY_NAME)

@@ -381,7 +381,7 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, str | float | bool | None]] = {
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo | cispo | sapo (megarl.algorithms.registry)
+    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo | cispo | sapo | clip_cov | kl_cov
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     kl_in_reward: bool = False  # else a KL term in the policy loss
@@ -416,6 +416,10 @@ class AlgorithmConfig:
     # sapo: the soft gate's temperatures for positive and negative advantages (megarl.algorithms.sapo)
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    cov_fraction: float = 2e-4  # clip_cov, kl_cov: the valid tokens restrained (megarl.algorithms.entropy_cov)
+    clip_cov_low: float = 1.0  # clip_cov: the covariance band its tokens are drawn from
+    clip_cov_high: float = 5.0
+    kl_cov_coef: float = 1.0  # kl_cov: the weight of |log r| on the highest-covariance tokens
 
     def __post_init__(self) -> None:
         for key, value in {**ALGORITHM_DEFAULTS["*"], **ALGORITHM_DEFAULTS.get(self.name, {})}.items():

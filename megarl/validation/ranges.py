@@ -80,6 +80,10 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("algorithm.is_high", algo.is_high, "[1, inf)"),
         ("algorithm.sapo_tau_pos", algo.sapo_tau_pos, "(0, inf)"),  # the gate's temperature: 4 / tau
         ("algorithm.sapo_tau_neg", algo.sapo_tau_neg, "(0, inf)"),
+        ("algorithm.cov_fraction", algo.cov_fraction, "(0, 1]"),
+        ("algorithm.clip_cov_low", algo.clip_cov_low, "(-inf, inf)"),
+        ("algorithm.clip_cov_high", algo.clip_cov_high, "(-inf, inf)"),
+        ("algorithm.kl_cov_coef", algo.kl_cov_coef, "(0, inf)"),
         ("algorithm.entropy_coef", algo.entropy_coef, "[0, inf)"),  # a bonus; negative would punish exploring
         ("algorithm.gamma", algo.gamma, "[0, 1]"),
         ("algorithm.lam", algo.lam, "[0, 1]"),
