@@ -8,6 +8,19 @@ import sys
 
 from megarl import __version__
 
+# The page of the documentation site (docs/, mkdocs.yml) that explains each command; its --help ends
+# with it (tests/test_docs_site.py checks that every command has one and that the page exists).
+DOC_PAGES = {
+    "train": "docs/guides/rl-algorithms.md",
+    "sft": "docs/guides/supervised.md",
+    "rm": "docs/guides/supervised.md",
+    "dpo": "docs/guides/supervised.md",
+    "convert": "docs/guides/conversion.md",
+    "plan": "docs/guides/planner.md",
+    "bench": "docs/guides/benchmarks.md",
+    "demo": "docs/quickstart.md",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     from megarl.bench import cli as bench_cli
@@ -31,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megarl.cli import supervised  # megarl sft / rm / dpo: the supervised stages
 
     supervised.add_parsers(sub)
+    for name, command in sub.choices.items():
+        settings = "; every setting: docs/reference/configuration.md" if name in ("train", "sft", "rm", "dpo") else ""
+        command.epilog = f"Documentation: {DOC_PAGES[name]}{settings} (as a site: mkdocs serve)"
     return parser
 
 
