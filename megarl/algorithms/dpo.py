@@ -10,6 +10,9 @@ over beta. Losses (``DpoConfig.loss_type``):
 - ``ipo`` (Azar et al. 2023): (delta' - 1 / (2 beta))^2, where delta' uses each answer's
   log-ratio averaged over its tokens (the length normalisation the IPO authors used; TRL's too).
 
+With ``rpo_alpha`` > 0 each pair's loss adds ``rpo_alpha`` times its chosen answer's
+per-token NLL (RPO, Pang et al. 2024: :mod:`megarl.algorithms.rpo`), inside ``dpo_loss``.
+
 The loss is the mean over the step's pairs. ``sigmoid`` and ``ipo`` equal TRL's ``DPOTrainer``
 losses on the same model and batch (``tests/test_preference.py``). ``kto`` scores answers one by
 one, not in pairs: ``megarl.algorithms.kto``.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megarl.algorithms.rpo import chosen_nll
 from megarl.config.supervised import DpoConfig
 
 
@@ -54,6 +58,8 @@ def dpo_loss(pairs: PairLogprobs, settings: DpoConfig, denom: float) -> tuple[to
         per_pair = (delta - 1 / (2 * beta)) ** 2
     else:  # kto scores each answer alone, against a batch-wide reference point
         raise ValueError(f"dpo_loss has no pairwise loss_type {settings.loss_type!r} (kto: megarl.algorithms.kto)")
+    if settings.rpo_alpha:
+        per_pair = per_pair + settings.rpo_alpha * chosen_nll(pairs.chosen, pairs.chosen_tokens)
     loss = per_pair.sum() / denom
     with torch.no_grad():
         reward_chosen, reward_rejected = beta * chosen_ratio, beta * rejected_ratio

@@ -32,6 +32,9 @@ class DpoConfig:
     # the paper keeps w_d * n_desirable / (w_u * n_undesirable) within [1, 4/3])
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    # RPO: the weight of the chosen answer's per-token NLL added to each pair's loss (megarl.algorithms.rpo);
+    # 0: plain DPO. sigmoid and ipo only
+    rpo_alpha: float = 0.0
 
     def problems(self, prefix: str = "dpo") -> list[str]:
         out = []
@@ -45,6 +48,12 @@ class DpoConfig:
         if self.loss_type == "kto" and self.precompute_reference:
             out.append(f"{prefix}.precompute_reference does not apply to loss_type kto: its KL rows (each prompt "
                        "with another pair's answer) change with every batch, so the reference scores each step")
+        alpha = self.rpo_alpha
+        if isinstance(alpha, bool) or not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
+            out.append(f"{prefix}.rpo_alpha must be a number >= 0, got {alpha!r}")
+        elif alpha and self.loss_type == "kto":
+            out.append(f"{prefix}.rpo_alpha applies to pairs (loss_type sigmoid or ipo): kto's answers have no "
+                       "chosen one to add the NLL of")
         for name in ("desirable_weight", "undesirable_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
