@@ -332,8 +332,10 @@ class EnvConfig:
     """Multi-turn episodes (``megarl.envs``, run by ``megarl.rollout.episodes``): the policy speaks,
     the environment answers, until it is done or a limit is reached; only the policy's tokens train."""
 
-    kind: str = "tools"  # single_turn | tools | remote (megarl.envs.registry) | package.module:Class (your own)
-    options: dict = field(default_factory=dict)  # your own class's constructor arguments
+    # single_turn | tools | remote (megarl.envs.registry) | package.module:Class (your own Environment)
+    # | package.module:function (an async agent that calls the rollout endpoint, megarl.envs.agent)
+    kind: str = "tools"
+    options: dict = field(default_factory=dict)  # your own class's constructor arguments, or your agent's keywords
     tools: list[ToolConfig] = field(default_factory=list)
     tool_parser: str = "hermes"  # how tool calls are written: <tool_call>{json}</tool_call>
     # Messages shown between the system prompt and every episode's prompt ({role, content}; a
@@ -356,6 +358,7 @@ class EnvConfig:
     # for all episodes' tools before any generates again (for measuring what overlap buys).
     overlap: bool = True
     step_timeout_s: float = 60.0  # one environment step (a tool call, a remote answer)
+    agent_timeout_s: float = 600.0  # an agent's whole episode, its generation included
     # remote: the environment service (megarl.envs.remote)
     url: str = ""
     timeout_s: float = 30.0

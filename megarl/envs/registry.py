@@ -2,7 +2,7 @@
 returns (per-episode state never leaks between episodes). Adding a kind is one module and one
 branch here; a recipe's own environment is ``env.kind: package.module:Class``, one instance per
 episode made with ``env.options`` (and ``reward=``, the run's text reward terms, when its
-constructor takes one)."""
+constructor takes one); ``package.module:function`` an async agent (``megarl.envs.agent``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def environment_factory(env: EnvConfig, rewards: list[RewardTermConfig]) -> Call
 
     if is_import_path(env.kind):
         return custom_environment(env, rewards)
-    raise ValueError(f"env.kind {env.kind!r} must be one of {', '.join(ENV_KINDS)} (or package.module:Class)")
+    raise ValueError(f"env.kind {env.kind!r} must be one of {', '.join(ENV_KINDS)} (or package.module:Class, "
+                     "or package.module:async_function)")
 
 
 def custom_environment(env: EnvConfig, rewards: list[RewardTermConfig]) -> Callable[[], Environment]:
@@ -55,8 +56,9 @@ def custom_environment(env: EnvConfig, rewards: list[RewardTermConfig]) -> Calla
     from megarl.utils.imports import load_object
 
     cls = load_object(env.kind)
-    if not inspect.isclass(cls):
-        raise ValueError(f"env.kind {env.kind!r} is not a class")
+    if not inspect.isclass(cls):  # an async agent function runs through the endpoint, not as an Environment
+        raise ValueError(f"env.kind {env.kind!r} is not a class (an agent function's episodes run through "
+                         "the rollout endpoint, megarl.envs.agent)")
     options = dict(env.options)
     if "reward" in inspect.signature(cls).parameters:
         options["reward"] = RunReward(rewards)

@@ -78,6 +78,10 @@ class Trajectory:
     # The weight version each response token was generated under (an observation's: the version
     # in force when it was inserted); one version unless a turn continued across a weight sync.
     versions: list[int] = field(default_factory=list)
+    # An agent's episode through the rollout endpoint (megarl.rollout.endpoint): the trajectories
+    # its splits closed (where a turn's prompt did not extend the tokens before it), in order;
+    # this one is the last. Not trained yet: the trainer takes one trajectory per episode.
+    segments: list[Trajectory] = field(default_factory=list)
 
     def sample(self) -> RolloutSample:
         reason = "stop" if self.finish_reason == "done" else "length"
@@ -411,6 +415,8 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
         "tool/seconds": sum(t.info.get("tool_seconds", 0.0) for t in trajectories),
         "env/seconds": sum(t.info.get("env_seconds", 0.0) for t in trajectories),  # a remote service's answers
         "env/turns_mean": sum(len(t.turns) for t in trajectories) / n,
+        # agents through the endpoint: turns whose prompt rewrote the history (the episode split there)
+        "env/history_splits": sum(t.info.get("history_splits", 0.0) for t in trajectories),
     }
     for reason in ("done", "length", "turns", "env_error"):
         out[f"env/finish_{reason}"] = sum(t.finish_reason == reason for t in trajectories) / n

@@ -19,6 +19,7 @@ from typing import Any
 
 from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.platform import current_platform
+from megarl.rollout.endpoint.vllm_agents import AgentHosting
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, FinishedTurn, Trajectory
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.rollout.vllm_group_serving import GroupServing
@@ -50,7 +51,7 @@ class EngineHealth:
     dead: list[process_watch.ProcessDeath]
 
 
-class VLLMEngine(GroupServing):
+class VLLMEngine(GroupServing, AgentHosting):
     # the class vLLM mixes into its workers (a benchmark engine names its own subclass)
     worker_extension = WORKER_EXTENSION
 
@@ -244,9 +245,13 @@ class VLLMEngine(GroupServing):
         With ``epoch`` (the opportunistic schedule), ``interrupt`` of that epoch stops the call at
         the next decoding step: the unfinished episodes come back as None, dropped (to be generated
         again), or with ``keep`` suspended here under that name, for ``continue_episodes``."""
+        from megarl.envs.agent import load_agent
         from megarl.rollout.episodes import EpisodeRunner
 
         self._check_version(sampling)
+        if (agent := load_agent(env)) is not None:  # an agent through the endpoint (megarl.rollout.endpoint)
+            return self._run_episodes(None, epoch, None, lambda stop: self._agent_episodes(
+                agent, requests, sampling, env, limits, stop, keep))
         make_env, renderer = self._episode_setup(env, rewards)
         runner = EpisodeRunner(self._turns(sampling), renderer, make_env, limits, self._env_loop(),
                                version=self.weight_version)

