@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import OptimizerConfig, ParallelConfig, PrecisionConfig
+from megarl.config.schema import AlgorithmConfig, OptimizerConfig, ParallelConfig, PrecisionConfig
 from megarl.convert.hf_io import HFReader
 from megarl.convert.weights import load_hf_weights
 from megarl.distributed.parallel import megatron_parallel
@@ -15,6 +16,8 @@ from megarl.models.forward import forward_outputs
 from megarl.models.gpt import ModelSpec, build_model_chunks
 from megarl.models.hf_arch import arch_from_hf_dir
 from megarl.models.train import build_optimizer, lm_loss_fn, logits_forward, train_step, wrap_ddp
+from megarl.workers.rank_batch import RankBatch
+from megarl.workers.rank_results import UpdateResult
 
 
 def _model(hf_dir: str, par: ParallelConfig, info):
@@ -287,8 +290,8 @@ def _held_params(key: str) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for chunk in held(key).chunks for p in chunk.parameters()])
 
 
-def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, batch: dict, algo: dict,
-                      optim: dict, budget: int) -> dict | None:
+def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, batch: RankBatch, algo: AlgorithmConfig,
+                      optim: OptimizerConfig, budget: int) -> dict | None:
     """Max differences of log-probs, entropy, values, scores and one policy step between the
     padded path (fixed micro-batches of 2) and token-budget / packed micro-batches.
 
@@ -296,14 +299,15 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
     also computes outputs on its padding, which the cut and packed paths leave at 0).
     """
     from megarl.workers import megatron_model, rl_fns
+    from megarl.workers.microbatches import microbatches
 
     variants = {"budget": {"max_tokens_per_microbatch": budget},
                 "packed": {"pack_sequences": True},
                 "packed_budget": {"pack_sequences": True, "max_tokens_per_microbatch": budget},
                 "shared": {"share_prompt": True},
                 "shared_budget": {"share_prompt": True, "max_tokens_per_microbatch": budget}}
-    width = batch["tokens"].shape[1]
-    valid = torch.arange(width - 1).unsqueeze(0) < (batch["seq_lens"] - 1).unsqueeze(1)
+    width = batch.tokens.shape[1]
+    valid = torch.arange(width - 1).unsqueeze(0) < (batch.seq_lens - 1).unsqueeze(1)
     out: dict[str, float] = {}
 
     def shard_valid(dp_rank: int, dp: int) -> torch.Tensor:
@@ -313,16 +317,16 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
     info = megatron_model.held("pk").info
     padded = rl_fns.logprobs("pk", batch, micro_batch_size=2, entropy=True)
     # the shared variants do share: every micro-batch holds a prompt once for several responses
-    mbs = rl_fns._microbatches(megatron_model.held("pk"), rl_fns._shard(megatron_model.held("pk"), batch), 2,
-                               select=True, share=True)
-    out["shared/rows_without_sharing"] = sum(len(set(mb["plan"].row)) == len(mb["plan"].row) for mb in mbs)
+    model = megatron_model.held("pk")
+    mbs = microbatches(model, batch.shard(info.dp, info.dp_rank), 2, select=True, share=True)
+    out["shared/rows_without_sharing"] = sum(len(set(mb.plan.row)) == len(mb.plan.row) for mb in mbs)
     for name, kwargs in variants.items():
         got = rl_fns.logprobs("pk", batch, micro_batch_size=2, entropy=True, **kwargs)
         if got is not None:
             v = shard_valid(info.dp_rank, info.dp)
-            out[f"{name}/logprobs"] = _within(got[1]["logprobs"], padded[1]["logprobs"], v)
-            out[f"{name}/entropy"] = _within(got[1]["entropy"], padded[1]["entropy"], v)
-            out[f"{name}/zero_outside"] = got[1]["logprobs"].masked_fill(v, 0).abs().max().item()
+            out[f"{name}/logprobs"] = _within(got.value.logprobs, padded.value.logprobs, v)
+            out[f"{name}/entropy"] = _within(got.value.entropy, padded.value.entropy, v)
+            out[f"{name}/zero_outside"] = got.value.logprobs.masked_fill(v, 0).abs().max().item()
     # one policy step on each path, from the same weights
     steps, params = {}, {}
     for name in ("padded", "packed_budget", "shared_budget"):
@@ -336,8 +340,7 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
         out[f"train/{name}/params"] = (params["padded"] - params[name]).abs().max().item()
         if steps["padded"] is not None:
             for metric in ("pg_loss", "grad_norm", "entropy"):
-                out[f"train/{name}/{metric}"] = abs(steps["padded"]["steps"][0][metric]
-                                                    - steps[name]["steps"][0][metric])
+                out[f"train/{name}/{metric}"] = abs(steps["padded"].steps[0][metric] - steps[name].steps[0][metric])
     # the critic / reward model path: a value head
     megatron_model.load("pk", reward_dir, parallel, value_head=True)
     padded_values = rl_fns.values("pk", batch, micro_batch_size=2)
@@ -346,51 +349,45 @@ def packing_vs_padded(hf_dir: str, reward_dir: str, parallel: ParallelConfig, ba
         got_values = rl_fns.values("pk", batch, micro_batch_size=2, **kwargs)
         got_scores = rl_fns.scores("pk", batch, micro_batch_size=2, **kwargs)
         if got_values is not None:
-            out[f"{name}/values"] = _within(got_values[1], padded_values[1], shard_valid(info.dp_rank, info.dp))
-            out[f"{name}/scores"] = (got_scores[1] - padded_scores[1]).abs().max().item()
+            out[f"{name}/values"] = _within(got_values.value, padded_values.value, shard_valid(info.dp_rank, info.dp))
+            out[f"{name}/scores"] = (got_scores.value - padded_scores.value).abs().max().item()
     megatron_model.unload("pk")
     return out or None
 
 
-def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: dict, optim: dict,
-                    micro_batch_size: int = 2, ref_dir: str | None = None, settings=None,
-                    after: bool = False) -> dict | None:
+def preference_step(kind: str, model_dir: str, parallel: ParallelConfig, batch: RankBatch, optim: OptimizerConfig,
+                    micro_batch_size: int = 2, ref_dir: str | None = None, settings=None, after: bool = False,
+                    kl_rows: RankBatch | None = None) -> tuple[UpdateResult, torch.Tensor | None] | None:
     """One SFT / reward-model / DPO / KTO step at ``parallel`` (DPO, KTO: the reference's log-probs
-    first, from its own megatron model at the same layout); the step's metrics from the reporting
-    rank. KTO's batch also holds its mismatched rows (``kl_tokens``, ``kl_mask``, ``kl_seq_lens``):
-    the reference's and then the policy's log-probs of them give the step's reference point.
-    ``after``: the result also holds the updated model's log-probs of the batch (a reward model:
-    its scores), as ``"after"``."""
+    first, from its own megatron model at the same layout); the step's result from the reporting
+    rank. KTO's mismatched rows ``kl_rows``: the reference's and then the policy's log-probs of them
+    give the step's reference point. ``after``: the updated model's log-probs of the batch (a
+    reward model: its scores) come back with the result, else None."""
     from megarl.algorithms.kto import kl_reference_point
     from megarl.workers import megatron_model, preference_fns, rl_fns
+    from megarl.workers.rank_results import gather_shards
 
-    def everywhere(rows: dict, fn=rl_fns.logprobs) -> torch.Tensor:  # log-probs of ``rows`` [B, L-1], everywhere
+    def everywhere(rows: RankBatch, fn=rl_fns.logprobs) -> torch.Tensor:  # log-probs of ``rows`` [B, L-1], everywhere
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, fn("pref", rows, micro_batch_size=micro_batch_size))
-        return rl_fns.gather_shards(parts)
+        return gather_shards(parts)
 
-    kl_rows = None
-    if kind == "kto":
-        kl_rows = {"tokens": batch["kl_tokens"], "mask": batch["kl_mask"], "seq_lens": batch["kl_seq_lens"]}
-        batch = {k: v for k, v in batch.items() if not k.startswith("kl_")}
     if kind in ("dpo", "kto"):
         megatron_model.load("pref", ref_dir, parallel)
-        batch = {**batch, "ref_logprobs": everywhere(batch)}
+        batch = replace(batch, ref_logprobs=everywhere(batch))
         ref_kl = everywhere(kl_rows) if kl_rows is not None else None
         megatron_model.unload("pref")
     megatron_model.load("pref", model_dir, parallel, value_head=kind == "rm")
     try:
         if kl_rows is not None:
             policy_kl = everywhere(kl_rows)  # before the step, no grad (TRL's KL_logps too)
-            mask = kl_rows["mask"]
-            batch["kto_kl"] = kl_reference_point((policy_kl * mask).sum(1), (ref_kl * mask).sum(1))
+            mask = kl_rows.mask
+            batch = replace(batch, kto_kl=kl_reference_point((policy_kl * mask).sum(1), (ref_kl * mask).sum(1)))
         fn = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_model,
               "dpo": preference_fns.train_dpo, "kto": preference_fns.train_kto}[kind]
         result = fn("pref", batch, settings, optim, micro_batch_size)
-        if after:
-            updated = everywhere(batch, rl_fns.scores if kind == "rm" else rl_fns.logprobs)
-            result = None if result is None else result | {"after": updated}
-        return result
+        updated = everywhere(batch, rl_fns.scores if kind == "rm" else rl_fns.logprobs) if after else None
+        return None if result is None else (result, updated)
     finally:
         megatron_model.unload("pref")
 

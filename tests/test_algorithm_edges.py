@@ -30,7 +30,9 @@ from megarl.algorithms import (
     value_loss,
     whiten,
 )
-from megarl.config.schema import AlgorithmConfig, RolloutConfig
+from megarl.config.schema import AlgorithmConfig, OptimizerConfig, RolloutConfig
+from megarl.workers.microbatches import MicroBatch
+from megarl.workers.rank_batch import RankBatch
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -298,24 +300,35 @@ def test_dr_grpo_shards_sum_to_the_documented_aggregate():
 
 @pytest.fixture
 def rank_loss(monkeypatch):
-    """The loss function a rank's update runs, without Megatron: ``_update`` hands it back instead
-    of training, and the model's per-token outputs come from the micro-batch (``lp``, ``ent``, ``v``)."""
+    """The loss function a rank's update runs, without Megatron: ``run_update`` hands it back instead
+    of training, and the model's output stands for the per-token outputs read from it: the policy's
+    log-probs and entropy (``{"lp": [b, T], "ent": [b, T]}``), the critic's values (``[b, T + 1, 1]``)."""
     import megarl.models.forward as forward
     from megarl.workers import rl_fns
 
     monkeypatch.setattr(rl_fns, "held", lambda key: SimpleNamespace(spec=SimpleNamespace(arch=SimpleNamespace(
         vocab_size=10))))
-    monkeypatch.setattr(rl_fns, "_update", lambda *args, **kwargs: args[6])  # the loss_fn argument
+    monkeypatch.setattr(rl_fns, "run_update", lambda *args, **kwargs: args[6])  # the loss_fn argument
     monkeypatch.setattr(forward, "rows_output", lambda output, inputs: output)
-    monkeypatch.setattr(rl_fns, "_label_stats",
-                        lambda logits, mb, vocab, entropy=False: (mb["lp"], mb["ent"]) if entropy else mb["lp"])
-    monkeypatch.setattr(rl_fns, "_per_label", lambda x, mb: mb["v"])
+    monkeypatch.setattr(rl_fns, "label_stats",
+                        lambda out, mb, vocab, entropy=False: (out["lp"], out["ent"]) if entropy else out["lp"])
+    monkeypatch.setattr(rl_fns, "positions", lambda output, mb: output)
+    monkeypatch.setattr(rl_fns, "per_label", lambda x, mb: x)
 
     def get(fn, aggregation: str, **algo):
-        return fn("actor", {"old_logprobs": None}, AlgorithmConfig(aggregation=aggregation, **algo),
-                  {}, micro_batch_size=1)
+        # with old log-probs: an off-policy update, whose loss reads the micro-batch's
+        batch = RankBatch(tokens=torch.zeros(1, 2, dtype=torch.long), mask=torch.ones(1, 1),
+                          old_logprobs=torch.zeros(1, 1))
+        return fn("actor", batch, AlgorithmConfig(aggregation=aggregation, **algo), OptimizerConfig(),
+                  micro_batch_size=1)
 
     return rl_fns, get
+
+
+def micro(**fields) -> MicroBatch:
+    """A micro-batch of these per-sequence fields, without rows (``rank_loss``'s model reads none)."""
+    return MicroBatch(plan=None, tokens=None, inputs=None, index=None, gather=None, valid=None, seq_row=None,
+                      seq_start=None, **fields)
 
 
 def test_rank_policy_loss_uses_the_dr_grpo_length_normaliser(rank_loss):
@@ -324,11 +337,11 @@ def test_rank_policy_loss_uses_the_dr_grpo_length_normaliser(rank_loss):
     # row 0: A = +1 on 3 tokens; row 1: A = -1 on 1 token; row 2: dropped (no token). Ratio 1.
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, 0.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
-    mb = {"mask": mask, "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3, [0.0] * 3]) * mask,
-          "old_logprobs": lp.detach().clone(), "ref_logprobs": (lp - 0.2).detach() * mask,
-          "lp": lp, "ent": torch.full((3, 3), 0.5) * mask, "inputs": None,
-          "denom": 2.0, "norm_len": 4.0, "scale": 1.0}  # as denominators() gives with rollout.max_tokens 4
-    loss, out = loss_fn(None, mb)
+    mb = micro(mask=mask, advantages=torch.tensor([[1.0] * 3, [-1.0] * 3, [0.0] * 3]) * mask,
+               old_logprobs=lp.detach().clone(), ref_logprobs=(lp - 0.2).detach() * mask,
+               denom=2.0, norm_len=4.0)  # as denominators() gives with rollout.max_tokens 4
+    result = loss_fn({"lp": lp, "ent": torch.full((3, 3), 0.5) * mask}, mb)
+    loss, out = result.loss, result.metrics
     # pg: sequence sums -3 and +1, (-3/4 + 1/4) / 2 = -0.25 (before: (-3 + 1) / 2 = -1.0)
     # kl k1 = 0.2 a token: (0.6/4 + 0.2/4) / 2 = 0.1; entropy 0.5 a token: (1.5/4 + 0.5/4) / 2 = 0.25
     # loss = -0.25 + 0.5 * 0.1 - 0.1 * 0.25 = -0.225
@@ -346,9 +359,10 @@ def test_rank_value_loss_uses_the_dr_grpo_length_normaliser(rank_loss):
     loss_fn = get(rl_fns.train_value, "seq-mean-token-sum", value_clip=None)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     values = torch.tensor([[1.0, 1.0, 1.0], [2.0, NAN, NAN]], requires_grad=True)
-    mb = {"mask": mask, "old_values": torch.zeros(2, 3), "returns": torch.zeros(2, 3), "v": values,
-          "inputs": None, "denom": 2.0, "norm_len": 4.0, "scale": 1.0}
-    loss, out = loss_fn(torch.zeros(2, 4, 1), mb)  # the model's output: unused, mb["v"] stands in
+    mb = micro(mask=mask, old_values=torch.zeros(2, 3), returns=torch.zeros(2, 3), denom=2.0, norm_len=4.0)
+    # the value head's output [b, T + 1, 1]: the values before each label position, and one after the last
+    result = loss_fn(torch.nn.functional.pad(values, (0, 1)).unsqueeze(-1), mb)
+    loss, out = result.loss, result.metrics
     # 0.5 (V - R)^2: row 0 three tokens of 0.5 (sum 1.5), row 1 one of 2.0:
     # (1.5/4 + 2.0/4) / 2 = 0.4375 (before: (1.5 + 2.0) / 2 = 1.75)
     close(loss, 0.4375)

@@ -128,9 +128,11 @@ def test_the_loss_emits_only_declared_metrics(name):
 
 def test_the_driver_combines_shards_as_the_ranks_declare():
     from megarl.trainer.roles import MegatronRole
+    from megarl.workers.rank_batch import RankBatch
+    from megarl.workers.rank_results import UpdateResult
 
-    shard = {"steps": [{"pg_loss": 0.25, "clip_fraction": 0.125, "grad_norm": 2.0}], "per_token": None,
-             "reduce": {"pg_loss": "sum", "clip_fraction": "mean", "grad_norm": "same"}}
+    shard = UpdateResult(steps=[{"pg_loss": 0.25, "clip_fraction": 0.125, "grad_norm": 2.0}],
+                         reduce={"pg_loss": "sum", "clip_fraction": "mean", "grad_norm": "same"})
     seen = {}
 
     def run(fn, timeout_s, **kwargs):
@@ -139,7 +141,8 @@ def test_the_driver_combines_shards_as_the_ranks_declare():
 
     role = MegatronRole("actor", RoleConfig(), SimpleNamespace(run=run), source="", timeout_s=1.0)
     algo = AlgorithmConfig()
-    metrics, per_token = role.train(lambda **_: None, {}, algo)
+    batch = RankBatch(tokens=torch.zeros(2, 3, dtype=torch.long), mask=torch.zeros(2, 2))
+    metrics, per_token = role.train(lambda **_: None, batch, algo)
     assert metrics == {"actor/pg_loss": 0.5, "actor/clip_fraction": 0.25, "actor/grad_norm": 2.0}
     assert per_token is None
     assert seen["algo"] is algo and seen["optim"] is role.cfg.optim  # the dataclasses themselves cross to the ranks

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
-from test_algorithm_edges import close, rank_loss  # noqa: F401 (rank_loss is a fixture)
+from test_algorithm_edges import close, micro, rank_loss  # noqa: F401 (rank_loss is a fixture)
 
 from megarl.algorithms import get_algorithm, policy_loss
 from megarl.algorithms.base import PolicyMicroBatch
@@ -84,9 +84,9 @@ def test_the_rank_runs_cispo_from_the_config(rank_loss):  # noqa: F811
     rl_fns, get = rank_loss
     loss_fn = get(rl_fns.train_policy, "token-mean", name="cispo")
     lp = LP.float().requires_grad_()
-    mb = {"mask": MASK.float(), "advantages": A.float(), "old_logprobs": OLD.float(), "lp": lp,
-          "ent": torch.zeros(2, 4), "inputs": None, "denom": 4.0, "scale": 1.0}
-    total, out = loss_fn(None, mb)
+    mb = micro(mask=MASK.float(), advantages=A.float(), old_logprobs=OLD.float(), denom=4.0)
+    result = loss_fn({"lp": lp, "ent": torch.zeros(2, 4)}, mb)
+    total, out = result.loss, result.metrics
     close(out["pg_loss"], (1.28 - 2.0 + E03 - 0.05) / 4, atol=1e-6)
     total.backward()
     close(lp.grad, [[-1.28 / 4, 1 / 4, -2 * E03 / 4, 0.0], [0.5 / 4, 0.0, 0.0, 0.0]], atol=1e-6)

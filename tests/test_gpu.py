@@ -105,8 +105,10 @@ def test_cuda_sft_and_dpo_steps_equal_their_oracles(pools, te_model):
     """The supervised stages' updates on CUDA (FP32): SFT's loss is transformers' mean NLL of the
     completion tokens; DPO against its own starting point as the reference loses exactly log 2."""
     import math
+    from dataclasses import replace
 
     from megarl.config.supervised import DpoConfig
+    from megarl.workers.rank_batch import RankBatch
 
     tokens = random_tokens(batch=4, seq=48, vocab=512, seed=5)
     mask = torch.zeros(4, 47)
@@ -114,14 +116,14 @@ def test_cuda_sft_and_dpo_steps_equal_their_oracles(pools, te_model):
     logits = hf_logits(te_model, tokens)[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), tokens[:, 1:].reshape(-1), reduction="none")
     expected = (nll * mask.reshape(-1)).sum() / mask.sum()
-    batch = {"tokens": tokens, "mask": mask, "seq_lens": torch.full((4,), 48), "denoms": [float(mask.sum())]}
+    batch = RankBatch(tokens=tokens, mask=mask, seq_lens=torch.full((4,), 48), denoms=[float(mask.sum())])
     optim = OptimizerConfig(lr=1e-4)
     sft = _one(pools.get(1).run(rank_jobs.preference_step, kind="sft", model_dir=str(te_model),
-                                parallel=ParallelConfig(), batch=batch, optim=optim))["steps"][0]
+                                parallel=ParallelConfig(), batch=batch, optim=optim))[0].steps[0]
     assert abs(sft["sft_loss"] - expected.item()) <= 1e-4, (sft, expected.item())
     dpo = _one(pools.get(1).run(rank_jobs.preference_step, kind="dpo", model_dir=str(te_model),
-                                ref_dir=str(te_model), parallel=ParallelConfig(), batch=batch | {"denoms": [2.0]},
-                                optim=optim, settings=DpoConfig(beta=0.5)))["steps"][0]
+                                ref_dir=str(te_model), parallel=ParallelConfig(), batch=replace(batch, denoms=[2.0]),
+                                optim=optim, settings=DpoConfig(beta=0.5)))[0].steps[0]
     assert abs(dpo["dpo_loss"] - math.log(2)) <= 1e-5 and abs(dpo["dpo/margin"]) <= 1e-5, dpo
 
 
@@ -145,13 +147,13 @@ def test_cuda_packing_matches_the_padded_path(pools, tiny_models, tiny_reward_mo
     from megarl.config.schema import AlgorithmConfig, OptimizerConfig
 
     batch = _batch(seed=2, batch=8, prompt=5, seq=32)
-    batch["tokens"][:, :5] = batch["tokens"][::4, :5].repeat_interleave(4, dim=0)
+    batch.tokens[:, :5] = batch.tokens[::4, :5].repeat_interleave(4, dim=0)
     # old log-probs near the model's own (as a rollout's are): zeros made every ratio ~1/vocab, a
     # gradient too small for the step to move the weights measurably past the comparison tolerance
     _, _, lp_hf = _hf_policy_loss_and_grad_norm(str(tiny_models["llama"]), batch)
-    batch["old_logprobs"] = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
-        * batch["mask"]
-    batch["denoms"] = [batch["mask"].sum().item()]
+    batch.old_logprobs = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
+        * batch.mask
+    batch.denoms = [batch.mask.sum().item()]
     out = _one(pools.get(1).run(rank_jobs.packing_vs_padded, hf_dir=str(tiny_models["llama"]),
                                 reward_dir=str(tiny_reward_model), parallel=ParallelConfig(), batch=batch,
                                 algo=AlgorithmConfig(name="grpo", entropy_coef=0.01),

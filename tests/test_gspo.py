@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from test_algorithm_edges import close, rank_loss  # noqa: F401 (rank_loss is a fixture)
+from test_algorithm_edges import close, micro, rank_loss  # noqa: F401 (rank_loss is a fixture)
 
 from megarl.algorithms import get_algorithm
 from megarl.algorithms.base import PolicyMicroBatch, ScoredBatch
@@ -94,9 +94,9 @@ def test_the_rank_runs_gspo_from_the_config(rank_loss):  # noqa: F811
     rl_fns, get = rank_loss
     loss_fn = get(rl_fns.train_policy, "seq-mean-token-mean", name="gspo")
     lp = (OLD + DELTA).float().requires_grad_()
-    mb = {"mask": MASK.float(), "advantages": A.float()[:, None] * MASK.float(), "old_logprobs": OLD.float(),
-          "lp": lp, "ent": torch.zeros(4, 3), "inputs": None, "denom": 3.0, "scale": 1.0}
-    total, out = loss_fn(None, mb)
+    mb = micro(mask=MASK.float(), advantages=A.float()[:, None] * MASK.float(), old_logprobs=OLD.float(), denom=3.0)
+    result = loss_fn({"lp": lp, "ent": torch.zeros(4, 3)}, mb)
+    total, out = result.loss, result.metrics
     close(out["pg_loss"], (-S0 - 0.5 * (1 + 4e-4) + S12) / 3, atol=1e-6)
     close(out["clip_fraction"], 1 / 3, atol=1e-6)  # the share of this micro-batch is 3 / 3
     total.backward()

@@ -13,6 +13,7 @@ from megarl.config.schema import AlgorithmConfig, OptimizerConfig, ParallelConfi
 from megarl.rollout.sampling import RolloutSample
 from megarl.trainer.batch import build_batch
 from megarl.workers import megatron_model, rl_fns
+from megarl.workers.rank_batch import RankBatch
 
 # (prompt, turn 1, observation, turn 2) lengths of each sample; two prompts x two samples
 SHAPES = [(5, 4, 3, 3), (5, 2, 4, 5), (6, 3, 3, 2), (6, 5, 2, 4)]
@@ -72,19 +73,19 @@ def test_observation_tokens_leave_the_loss_kl_and_entropy_at_every_layout(pools,
     lp, expected, norm = _oracle(hf, tokens, mask, adv, torch.zeros_like(mask), algo)
     ref = (lp - 0.3 * torch.rand(lp.shape, generator=g)) * mask
     lp, expected, norm = _oracle(hf, tokens, mask, adv, ref, algo)
-    rank_batch = {
-        "tokens": tokens, "mask": mask, "seq_lens": batch.seq_lens,
+    rank_batch = RankBatch(
+        tokens=tokens, mask=mask, seq_lens=batch.seq_lens,
         # what the policy-gradient, KL and entropy terms would read at the observation positions
-        "advantages": adv + GARBAGE * context, "old_logprobs": lp * mask + GARBAGE * context,
-        "ref_logprobs": ref - GARBAGE * context, "denoms": [float(mask.sum())],
-    }
+        advantages=adv + GARBAGE * context, old_logprobs=lp * mask + GARBAGE * context,
+        ref_logprobs=ref - GARBAGE * context, denoms=[float(mask.sum())],
+    )
     for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, pp=2, world_size=4)):
         pool = pools.get(4)
         pool.run(megatron_model.load, key="actor", source=hf, parallel=par)
         results = [r for r in pool.run(rl_fns.train_policy, key="actor", batch=rank_batch, algo=algo,
                                        optim=OptimizerConfig(lr=1e-5), micro_batch_size=1) if r is not None]
         pool.run(megatron_model.unload, key="actor")
-        steps = [r["steps"][0] for r in results]
+        steps = [r.steps[0] for r in results]
         for name, value in expected.items():  # each data-parallel shard reports its share of the mean
             got = sum(s[name] for s in steps)
             assert abs(got - value) < 1e-5 * max(1.0, abs(value)), (par, name, got, value)

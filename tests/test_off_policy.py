@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_algorithm_edges import close, rank_loss  # noqa: F401 (rank_loss is a fixture)
+from test_algorithm_edges import close, micro, rank_loss  # noqa: F401 (rank_loss is a fixture)
 
 from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
 
@@ -82,10 +82,10 @@ def test_the_rank_applies_the_correction_to_the_policy_gradient(rank_loss, kind,
     rl_fns, get = rank_loss
     loss_fn = get(rl_fns.train_policy, "token-mean", off_policy_correction=kind, is_cap=1.5, is_low=0.5, is_high=1.5)
     lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
-    mb = {"mask": torch.ones(1, 3), "advantages": torch.ones(1, 3), "old_logprobs": lp.detach().clone(),
-          "rollout_logprobs": torch.tensor([[-1.5, -1.0, -0.5]]), "lp": lp, "ent": torch.zeros(1, 3),
-          "inputs": None, "denom": 3.0, "scale": 1.0}
-    total, out = loss_fn(None, mb)
+    mb = micro(mask=torch.ones(1, 3), advantages=torch.ones(1, 3), old_logprobs=lp.detach().clone(),
+               rollout_logprobs=torch.tensor([[-1.5, -1.0, -0.5]]), denom=3.0)
+    result = loss_fn({"lp": lp, "ent": torch.zeros(1, 3)}, mb)
+    total, out = result.loss, result.metrics
     close(out["pg_loss"], loss, atol=1e-6)
     total.backward()
     close(lp.grad, [grad], atol=1e-6)

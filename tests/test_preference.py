@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import rank_jobs
@@ -17,6 +18,7 @@ from megarl.algorithms.dpo import PairLogprobs, dpo_loss
 from megarl.algorithms.kto import kl_reference_point, kto_loss
 from megarl.config.schema import OptimizerConfig, ParallelConfig
 from megarl.config.supervised import DpoConfig
+from megarl.workers.rank_batch import RankBatch
 
 trl = pytest.importorskip("trl")
 
@@ -40,15 +42,17 @@ def _interleave(batch: dict) -> dict:
     return {k: v[order] for k, v in batch.items()}
 
 
-def _megarl_batch(tokens: torch.Tensor, attention: torch.Tensor, completion: torch.Tensor, denom: float) -> dict:
+def _megarl_batch(tokens: torch.Tensor, attention: torch.Tensor, completion: torch.Tensor, denom: float
+                  ) -> RankBatch:
     # label position t predicts token t + 1: a completion token at t + 1 is trained
-    return {"tokens": tokens, "mask": completion[:, 1:].float(), "seq_lens": attention.sum(1), "denoms": [denom]}
+    return RankBatch(tokens=tokens, mask=completion[:, 1:].float(), seq_lens=attention.sum(1), denoms=[denom])
 
 
-def _step(pools, layout: ParallelConfig, **kwargs) -> dict:
+def _step(pools, layout: ParallelConfig, **kwargs) -> dict[str, float]:
     (out,) = [r for r in pools.get(layout.world_size).run(rank_jobs.preference_step, parallel=layout, optim=OPTIM,
                                                           **kwargs) if r is not None]
-    return out["steps"][0]
+    result, _ = out
+    return result.steps[0]
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +183,7 @@ def test_kto_loss_equals_trl(pools, tmp_path, policy_dir, reference_dir, layout)
     kl_rows = _megarl_batch(batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"], 8)
     ours = _step(pools, layout, kind="kto", model_dir=str(policy_dir), ref_dir=str(reference_dir),
                  settings=DpoConfig(beta=0.5, loss_type="kto", **weights),
-                 batch={**rows, "desirable": batch["label"].bool(), "kl_tokens": kl_rows["tokens"],
-                        "kl_mask": kl_rows["mask"], "kl_seq_lens": kl_rows["seq_lens"]})
+                 batch=replace(rows, desirable=batch["label"].bool()), kl_rows=kl_rows)
     assert ours["kto_loss"] == pytest.approx(expected, abs=2e-5), (ours, expected, trl_metrics)
     assert ours["kto/kl"] == pytest.approx(trl_metrics["kl"], abs=2e-5), (ours, trl_metrics)
     for name in ("chosen", "rejected"):
@@ -312,14 +315,15 @@ def test_context_parallel_steps_equal_trl_and_the_unsplit_step(pools, tmp_path, 
     expected, step = {"sft": lambda: _sft_case(tmp_path, policy_dir), "rm": lambda: _rm_case(tmp_path, reward_dir),
                       "dpo": lambda: _dpo_case(tmp_path, policy_dir, reference_dir, "sigmoid")}[stage]()
     batch = step["batch"]
-    if batch["tokens"].shape[1] % 4 == 0:  # a width 2 cp chunks do not split: the micro-batches pad it
-        batch["tokens"] = torch.cat([batch["tokens"], batch["tokens"][:, -1:] * 0], dim=1)
-        batch["mask"] = torch.cat([batch["mask"], batch["mask"][:, -1:] * 0], dim=1)
+    if batch.tokens.shape[1] % 4 == 0:  # a width 2 cp chunks do not split: the micro-batches pad it
+        batch.tokens = torch.cat([batch.tokens, batch.tokens[:, -1:] * 0], dim=1)
+        batch.mask = torch.cat([batch.mask, batch.mask[:, -1:] * 0], dim=1)
 
     def run(layout):
         (out,) = [r for r in pools.get(layout.world_size).run(rank_jobs.preference_step, parallel=layout,
                                                                optim=OPTIM, after=True, **step) if r is not None]
-        return out["steps"][0], out["after"]
+        result, after = out
+        return result.steps[0], after
 
     unsplit, unsplit_after = run(LAYOUTS[0])
     for layout in CP_LAYOUTS:

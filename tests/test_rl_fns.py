@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import rank_jobs
 import torch
 
 from megarl.config.schema import AlgorithmConfig, OptimizerConfig, ParallelConfig
 from megarl.workers import megatron_model, rl_fns
+from megarl.workers.rank_batch import RankBatch
+from megarl.workers.rank_results import gather_shards
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -41,24 +45,24 @@ def test_logprob_bench_measures_the_chunked_path_far_below_the_naive_one(tp, poo
         assert row["values_match"] and row["pass"], row
 
 
-def _batch(seed=0, batch=8, prompt=5, seq=20, vocab=250):
+def _batch(seed=0, batch=8, prompt=5, seq=20, vocab=250) -> RankBatch:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, seq), generator=g)
     seq_lens = torch.randint(prompt + 3, seq + 1, (batch,), generator=g)
     positions = torch.arange(seq - 1).unsqueeze(0)
     mask = ((positions >= prompt - 1) & (positions < (seq_lens - 1).unsqueeze(1))).float()
     advantages = torch.randn(batch, generator=g).unsqueeze(1).expand(batch, seq - 1) * mask
-    return {"tokens": tokens, "mask": mask, "advantages": advantages.contiguous(), "seq_lens": seq_lens}
+    return RankBatch(tokens=tokens, mask=mask, advantages=advantages.contiguous(), seq_lens=seq_lens)
 
 
-def _hf_policy_loss_and_grad_norm(hf_dir, batch):
+def _hf_policy_loss_and_grad_norm(hf_dir, batch: RankBatch):
     """Oracle: transformers' log-probs with old = current (ratio 1): loss -sum(A m)/N, its gradient."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-    logp = torch.log_softmax(model(batch["tokens"]).logits[:, :-1], -1)
-    lp = logp.gather(-1, batch["tokens"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    loss = -(batch["advantages"] * batch["mask"]).mul(torch.exp(lp - lp.detach())).sum() / batch["mask"].sum()
+    logp = torch.log_softmax(model(batch.tokens).logits[:, :-1], -1)
+    lp = logp.gather(-1, batch.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    loss = -(batch.advantages * batch.mask).mul(torch.exp(lp - lp.detach())).sum() / batch.mask.sum()
     loss.backward()
     norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())).item()
     return loss.item(), norm, lp.detach()
@@ -68,12 +72,10 @@ def test_policy_update_matches_transformers_at_every_layout(pools, tiny_models):
     hf = str(tiny_models["llama"])
     batch = _batch()
     loss_hf, norm_hf, lp_hf = _hf_policy_loss_and_grad_norm(hf, batch)
-    batch["old_logprobs"] = lp_hf * batch["mask"]
-    batch["denoms"] = [batch["mask"].sum().item()]
+    batch = replace(batch, old_logprobs=lp_hf * batch.mask, denoms=[batch.mask.sum().item()])
     algo = AlgorithmConfig(name="grpo")
     optim = OptimizerConfig(lr=1e-5)
-    on_policy = {k: v for k, v in batch.items() if k != "old_logprobs"}
-    on_policy["select_mask"] = batch["mask"]
+    on_policy = replace(batch, old_logprobs=None, select_mask=batch.mask)
     for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, world_size=4),
                 ParallelConfig(tp=2, world_size=4, sequence_parallel=True),
                 ParallelConfig(tp=2, pp=2, world_size=4),
@@ -91,18 +93,18 @@ def test_policy_update_matches_transformers_at_every_layout(pools, tiny_models):
             pool.run(megatron_model.load, key="actor", source=hf, parallel=par)
             results = [r for r in pool.run(rl_fns.train_policy, key="actor", batch=given, algo=algo, optim=optim,
                                            micro_batch_size=1, **budget) if r is not None]
-            steps = [r["steps"] for r in results]
+            steps = [r.steps for r in results]
             # per data-parallel shard partial sums of the global loss and clip fraction
             pg_loss = sum(s[0]["pg_loss"] for s in steps)
             assert abs(pg_loss - loss_hf) < 1e-5, (par, pg_loss, loss_hf)
             assert abs(steps[0][0]["grad_norm"] - norm_hf) < 1e-4 * norm_hf, (par, steps[0][0]["grad_norm"], norm_hf)
             assert sum(s[0]["clip_fraction"] for s in steps) == 0.0  # ratio 1: nothing clipped
             if given is on_policy:  # the log-probs of the update's forward, at every response token
-                got = rl_fns.gather_shards([r["per_token"] for r in results])
-                assert (got["logprobs"] - lp_hf * batch["mask"]).abs().max() < 1e-4, par
-                assert ((got["entropy"] > 0) == (batch["mask"] > 0)).all()
+                got = gather_shards([r.per_token for r in results])
+                assert (got.logprobs - lp_hf * batch.mask).abs().max() < 1e-4, par
+                assert ((got.entropy > 0) == (batch.mask > 0)).all()
             else:
-                assert all(r["per_token"] is None for r in results)
+                assert all(r.per_token is None for r in results)
         pool.run(megatron_model.unload, key="actor")
 
 
@@ -112,14 +114,14 @@ def test_logprobs_are_gathered_in_batch_order(pools, tiny_models):
     _, _, lp_hf = _hf_policy_loss_and_grad_norm(hf, batch)
     pool = pools.get(4)
     pool.run(megatron_model.load, key="ref", source=hf, parallel=ParallelConfig(tp=2, world_size=4))
-    every = rl_fns.gather_shards(pool.run(rl_fns.logprobs, key="ref", batch=batch, micro_batch_size=2, entropy=True,
-                                          response_only=False))
-    assert (every["logprobs"] - lp_hf).abs().max() < 1e-4
-    assert every["entropy"].shape == lp_hf.shape and (every["entropy"] > 0).all()
-    # by default only the response positions (batch["mask"]) are projected onto the vocabulary
-    got = rl_fns.gather_shards(pool.run(rl_fns.logprobs, key="ref", batch=batch, micro_batch_size=2, entropy=True))
-    assert (got["logprobs"] - lp_hf * batch["mask"]).abs().max() < 1e-4
-    assert ((got["entropy"] > 0) == (batch["mask"] > 0)).all()
+    every = gather_shards(pool.run(rl_fns.logprobs, key="ref", batch=batch, micro_batch_size=2, entropy=True,
+                                   response_only=False))
+    assert (every.logprobs - lp_hf).abs().max() < 1e-4
+    assert every.entropy.shape == lp_hf.shape and (every.entropy > 0).all()
+    # by default only the response positions (batch.mask) are projected onto the vocabulary
+    got = gather_shards(pool.run(rl_fns.logprobs, key="ref", batch=batch, micro_batch_size=2, entropy=True))
+    assert (got.logprobs - lp_hf * batch.mask).abs().max() < 1e-4
+    assert ((got.entropy > 0) == (batch.mask > 0)).all()
     pool.run(megatron_model.unload, key="ref")
 
 
@@ -130,11 +132,11 @@ def test_token_budget_and_packing_match_the_padded_path(par, pools, tiny_models,
     # different numbers of micro-batches; under pp=2 the micro-batch shapes vary.
     hf = str(tiny_models["llama"])
     batch = _batch(seed=2, batch=16, prompt=5, seq=32)
-    batch["tokens"][:, :5] = batch["tokens"][::4, :5].repeat_interleave(4, dim=0)  # groups of 4 share a prompt
+    batch.tokens[:, :5] = batch.tokens[::4, :5].repeat_interleave(4, dim=0)  # groups of 4 share a prompt
     _, _, lp_hf = _hf_policy_loss_and_grad_norm(hf, batch)
-    batch["old_logprobs"] = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
-        * batch["mask"]
-    batch["denoms"] = [batch["mask"].sum().item()]
+    batch.old_logprobs = (lp_hf + 0.05 * torch.randn(lp_hf.shape, generator=torch.Generator().manual_seed(3))) \
+        * batch.mask
+    batch.denoms = [batch.mask.sum().item()]
     algo = AlgorithmConfig(name="grpo", entropy_coef=0.01)
     # adam_eps=1: the first step moves each weight by g / (|g| + 1), close to linear in its
     # gradient, so equal updated weights mean equal gradients, not just equal signs.

@@ -89,14 +89,15 @@ def test_sample_logprobs_are_the_tempered_policys_as_the_trainer_scores_it(engin
     from megarl.config.schema import ParallelConfig
     from megarl.trainer.batch import build_batch
     from megarl.workers import WorkerGroup, megatron_model, rl_fns
+    from megarl.workers.rank_results import gather_shards
 
     out = engine.generate([[1, 2, 3, 4, 5], [9, 8, 7]], SamplingConfig(temperature=0.7, max_tokens=12, n=2, seed=3))
     batch = build_batch(out, pad_id=0, temperature=0.7)
     with WorkerGroup("scorer", 1) as group:
         group.run(megatron_model.load, key="scorer", source=str(model), parallel=ParallelConfig())
         tempered, untempered = (
-            rl_fns.gather_shards(group.run(rl_fns.logprobs, key="scorer", micro_batch_size=4,
-                                           batch=dataclasses.replace(batch.to_workers(), temperature=t)))
+            gather_shards(group.run(rl_fns.logprobs, key="scorer", micro_batch_size=4,
+                                    batch=dataclasses.replace(batch.to_workers(), temperature=t)))
             for t in (0.7, 1.0))
     response = batch.mask.bool()
     assert response.sum() == 4 * 12

@@ -28,6 +28,7 @@ from megarl.config.schema import MoeConfig, ParallelConfig
 from megarl.rollout.sampling import SamplingConfig
 from megarl.trainer.batch import build_batch
 from megarl.workers import megatron_model, rl_fns
+from megarl.workers.rank_results import gather_shards
 from megarl.workers.weight_sync import WeightSync
 
 
@@ -240,7 +241,7 @@ def _actor_logprobs(actor, batch, replay: bool, layout: str = "padded") -> torch
     worker_batch = batch.to_workers()
     if not replay:
         worker_batch.routes = None
-    return rl_fns.gather_shards(actor.run(rl_fns.logprobs, key="actor", batch=worker_batch, **LAYOUTS[layout]))
+    return gather_shards(actor.run(rl_fns.logprobs, key="actor", batch=worker_batch, **LAYOUTS[layout]))
 
 
 def _counts(actor) -> tuple[int, int]:

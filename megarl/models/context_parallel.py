@@ -1,7 +1,7 @@
 """Context parallelism on the data side: each rank's share of a micro-batch's sequence, and
 its per-position results put back together.
 
-The model runs on ``[rows, width / cp]`` tokens per rank (``CpSplit.inputs``: chunks ``r``
+The model runs on ``[rows, width / cp]`` tokens per rank (``RowsInputs.cp_share``: chunks ``r``
 and ``2 cp - 1 - r`` of ``2 cp``, see ``megarl.platform.cp_attention``), with each token's
 rotary angle taken at its position in the whole row. The losses are the ones of ``cp = 1``:
 each rank computes its positions' per-token statistics (log-probs, entropies, values), the
@@ -39,16 +39,6 @@ class CpSplit:
     def positions(self) -> torch.Tensor:
         """The row positions of this rank's tokens, ``[width / cp]``."""
         return global_positions(self.width // self.cp, self.cp, self.rank)
-
-    def inputs(self, inputs: dict) -> dict:
-        """``rows_inputs``' model inputs for this rank: its share of ``input_ids`` and
-        ``position_ids``, and the rotary angles of its positions (``rope_positions``)."""
-        if inputs["packed_seq_params"] is not None or inputs["attention_mask"] is not None:
-            raise ValueError("context parallelism splits right-padded rows only (no packed or shared rows)")
-        positions = self.positions.to(inputs["input_ids"].device)
-        return inputs | {"input_ids": inputs["input_ids"][:, positions], "position_ids":
-                         inputs["position_ids"][:, positions], "rope_positions": positions.unsqueeze(0),
-                         "shape": (inputs["shape"][0], len(positions)), "cp": self}
 
     def next_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The token each of this rank's positions predicts, ``[rows, width / cp]``, from the whole

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
 import torch
+
+from megarl.models.context_parallel import CpSplit
 
 
 def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -19,7 +24,7 @@ def forward_outputs(chunks: list, microbatches: list[torch.Tensor]) -> list[torc
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megarl.models.context_parallel import CpSplit, sequence_multiple
+    from megarl.models.context_parallel import sequence_multiple
     from megarl.models.rope_positions import rope_at
 
     device = next(chunks[0].parameters()).device
@@ -88,7 +93,32 @@ def full_logits(chunks: list, tokens: torch.Tensor, num_microbatches: int = 1) -
 # --- micro-batches of packed or trimmed rows (the RL roles' forward) ----------------------
 
 
-def rows_inputs(tokens: torch.Tensor, plan) -> dict:
+@dataclass
+class RowsInputs:
+    """The model inputs of one micro-batch's rows (``rows_inputs``) and what the forward does with them."""
+
+    input_ids: torch.Tensor  # [rows, width]; THD: [1, rows * width]; context parallelism: this rank's share
+    position_ids: torch.Tensor  # as input_ids
+    shape: tuple[int, int]  # (rows, width) the last stage's output is read back as (``rows_output``)
+    attention_mask: torch.Tensor | None = None  # local spec, packed rows: [rows, 1, width, width], True = masked
+    packed_seq_params: Any = None  # Transformer Engine, packed rows: the THD segments (PackedSeqParams)
+    rope_positions: torch.Tensor | None = None  # each token's rotary position, where not its column
+    cp: CpSplit | None = None  # context parallelism: this rank's share of the rows
+    select: torch.Tensor | None = None  # flat positions into [rows, width] whose logits alone are computed
+    routes: torch.Tensor | None = None  # R3: [rows, width, layers, k] the experts each token is routed to
+    route_valid: torch.Tensor | None = None  # [rows, width]: where ``routes`` holds a real routing
+
+    def cp_share(self, split: CpSplit) -> RowsInputs:
+        """This context-parallel rank's inputs: its share of ``input_ids`` and ``position_ids``, and
+        the rotary angles of its positions (``rope_positions``)."""
+        if self.packed_seq_params is not None or self.attention_mask is not None:
+            raise ValueError("context parallelism splits right-padded rows only (no packed or shared rows)")
+        positions = split.positions.to(self.input_ids.device)
+        return replace(self, input_ids=self.input_ids[:, positions], position_ids=self.position_ids[:, positions],
+                       rope_positions=positions.unsqueeze(0), shape=(self.shape[0], len(positions)), cp=split)
+
+
+def rows_inputs(tokens: torch.Tensor, plan) -> RowsInputs:
     """Model inputs of one micro-batch laid out by ``plan`` (a ``megarl.data.MicroBatchPlan``).
 
     ``tokens`` is ``[rows, width]``. Rows of one sequence each need nothing but the causal
@@ -107,19 +137,18 @@ def rows_inputs(tokens: torch.Tensor, plan) -> dict:
 
     rows, width = tokens.shape
     if not plan.packed:
-        return {"input_ids": tokens, "position_ids": _position_ids(tokens), "attention_mask": None,
-                "packed_seq_params": None, "shape": (rows, width)}
+        return RowsInputs(tokens, _position_ids(tokens), (rows, width))
     positions, segment, prefix = (t.to(tokens.device) for t in plan.layout())
     if current_platform().layer_spec_kind == "te":
         return _thd_inputs(tokens, positions, plan.segments())
     causal = torch.ones(width, width, dtype=torch.bool, device=tokens.device).triu(1)
     key = segment.unsqueeze(1)  # [rows, 1, k]
     allowed = (key == segment.unsqueeze(2)) | (key == prefix.unsqueeze(2))
-    return {"input_ids": tokens, "position_ids": positions, "attention_mask": (~allowed | causal).unsqueeze(1),
-            "packed_seq_params": None, "shape": (rows, width), "rope_positions": positions}
+    return RowsInputs(tokens, positions, (rows, width), attention_mask=(~allowed | causal).unsqueeze(1),
+                      rope_positions=positions)
 
 
-def _thd_inputs(tokens: torch.Tensor, positions: torch.Tensor, segments: list[list[int]]) -> dict:
+def _thd_inputs(tokens: torch.Tensor, positions: torch.Tensor, segments: list[list[int]]) -> RowsInputs:
     # GPU only (Transformer Engine's fused attention); not exercised by the CPU tests.
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -129,33 +158,32 @@ def _thd_inputs(tokens: torch.Tensor, positions: torch.Tensor, segments: list[li
     longest = int((cu[1:] - cu[:-1]).max())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=longest, max_seqlen_kv=longest)
-    return {"input_ids": tokens.reshape(1, -1), "position_ids": positions.reshape(1, -1), "attention_mask": None,
-            "packed_seq_params": params, "shape": (rows, width)}
+    return RowsInputs(tokens.reshape(1, -1), positions.reshape(1, -1), (rows, width), packed_seq_params=params)
 
 
-def rows_forward(chunk, inputs: dict) -> torch.Tensor:
+def rows_forward(chunk, inputs: RowsInputs) -> torch.Tensor:
     """Runs one model chunk on ``rows_inputs``; the last stage's output is ``[b', s', ...]``, or
-    ``[1, n, vocab/tp]`` logits when ``inputs["select"]`` names ``n`` positions (flat indices
-    into ``[rows, width]``, see ``megarl.models.selected_logits``). With ``inputs["routes"]``
+    ``[1, n, vocab/tp]`` logits when ``inputs.select`` names ``n`` positions (flat indices
+    into ``[rows, width]``, see ``megarl.models.selected_logits``). With ``inputs.routes``
     (``[rows, width, layers, k]``) a replaying MoE routes each token there (R3)."""
     from megarl.models.rope_positions import rope_at
     from megarl.models.routing_replay import replayed
     from megarl.models.selected_logits import logits_at
 
-    kwargs = {} if inputs["packed_seq_params"] is None else {"packed_seq_params": inputs["packed_seq_params"]}
-    with (logits_at(chunk, inputs.get("select")), rope_at(chunk, inputs.get("rope_positions")),
-          replayed(chunk, inputs.get("routes"), inputs.get("route_valid"), tuple(inputs["input_ids"].shape))):
-        return chunk(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], **kwargs)
+    kwargs = {} if inputs.packed_seq_params is None else {"packed_seq_params": inputs.packed_seq_params}
+    with (logits_at(chunk, inputs.select), rope_at(chunk, inputs.rope_positions),
+          replayed(chunk, inputs.routes, inputs.route_valid, tuple(inputs.input_ids.shape))):
+        return chunk(inputs.input_ids, inputs.position_ids, inputs.attention_mask, **kwargs)
 
 
-def rows_output(output: torch.Tensor, inputs: dict) -> torch.Tensor:
+def rows_output(output: torch.Tensor, inputs: RowsInputs) -> torch.Tensor:
     """The last stage's output ``[rows, width, ...]`` whatever layout the model ran in (THD: one row);
-    logits of selected positions (``inputs["select"]``) stay ``[1, n, vocab/tp]``. Under context
-    parallelism (``inputs["cp"]``) it is this rank's share ``[rows, width / cp, ...]``: the rank
+    logits of selected positions (``inputs.select``) stay ``[1, n, vocab/tp]``. Under context
+    parallelism (``inputs.cp``) it is this rank's share ``[rows, width / cp, ...]``: the rank
     functions gather per-token results, not outputs (``megarl.models.context_parallel``)."""
-    if inputs.get("select") is not None:
+    if inputs.select is not None:
         return output
-    return output.reshape(*inputs["shape"], *output.shape[2:])
+    return output.reshape(*inputs.shape, *output.shape[2:])
 
 
 def schedule_shape(chunks: list, input_shapes: list[tuple[int, ...]]) -> tuple[int, int]:

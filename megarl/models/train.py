@@ -18,7 +18,8 @@ from megarl.config.schema import OptimizerConfig
 from megarl.models.logprobs import token_logprobs
 from megarl.platform import current_platform
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# (model output, micro-batch) -> (loss, what the step returns for the micro-batch)
+LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
 
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool = True) -> list:
@@ -84,22 +85,23 @@ def offload_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
             "overlap_cpu_optimizer_d2h_h2d": False}
 
 
-def train_step(ddp_chunks: list, optimizer, microbatches: list[dict[str, torch.Tensor]],
-               loss_fn: LossFn, forward: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+def train_step(ddp_chunks: list, optimizer, microbatches: list, loss_fn: LossFn,
+               forward: Callable[[Any, Any], torch.Tensor], shapes: list[tuple[int, ...]] | None = None
                ) -> dict[str, Any]:
     """One optimizer step over ``microbatches``; returns the per-microbatch metrics on the last stage.
 
     ``forward(model, batch)`` runs the model on one microbatch; ``loss_fn(output, batch)``
-    returns (loss, metrics). The model input of a microbatch is ``batch["inputs"]["input_ids"]``
-    when present (packed / trimmed rows, see ``megarl.models.forward.rows_inputs``), else
-    ``batch["tokens"]``; shapes may differ between microbatches.
+    returns (loss, metrics). ``shapes`` are the microbatches' model input shapes ``[b, s]`` (they
+    may differ between microbatches: packed or trimmed rows, ``megarl.models.forward.RowsInputs``);
+    without them, each microbatch is a dict whose ``batch["tokens"]`` is the input.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.models.forward import schedule_shape
 
-    seq, batch_size = schedule_shape(ddp_chunks, [tuple(mb["inputs"]["input_ids"].shape if "inputs" in mb
-                                                         else mb["tokens"].shape) for mb in microbatches])
+    if shapes is None:
+        shapes = [tuple(mb["tokens"].shape) for mb in microbatches]
+    seq, batch_size = schedule_shape(ddp_chunks, shapes)
     for chunk in ddp_chunks:
         chunk.train()
         chunk.zero_grad_buffer()

@@ -49,7 +49,7 @@ def train(cfg: RunConfig) -> list[dict]:
             with run.phase("critic_values"):
                 values = critic.values(batch) if critic else None
             with run.phase("advantages"):
-                before = None if old is None else old["logprobs"]  # the actor's, for KL in the reward
+                before = None if old is None else old.logprobs  # the actor's, for KL in the reward
                 turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
                 scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns)
                 est = algorithm.estimate(cfg.algorithm, scored)

@@ -8,8 +8,11 @@ import torch
 
 from megarl.algorithms.base import combine
 from megarl.config.schema import AlgorithmConfig, RoleConfig
+from megarl.config.supervised import DpoConfig
 from megarl.trainer.batch import RolloutBatch
 from megarl.workers import checkpoint_fns, megatron_model, offload_fns, rl_fns
+from megarl.workers.rank_batch import RankBatch
+from megarl.workers.rank_results import TokenStats, UpdateResult, gather_shards
 
 
 class MegatronRole:
@@ -35,33 +38,33 @@ class MegatronRole:
                   dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes,
                   recompute=self.cfg.recompute, new_value_head=self.new_value_head, moe=self.cfg.moe)
 
-    def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Any:
-        return rl_fns.gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(),
-                                              entropy=entropy, **self._batching()))
+    def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> torch.Tensor | TokenStats:
+        """The log-probs [B, L-1] of ``batch``'s responses; with ``entropy``, with each prediction's entropy."""
+        return gather_shards(self._run(rl_fns.logprobs, key=self.name, batch=batch.to_workers(), entropy=entropy,
+                                       **self._batching()))
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
-        return rl_fns.gather_shards(self._run(rl_fns.values, key=self.name, batch=batch.to_workers(),
-                                              **self._batching()))
+        return gather_shards(self._run(rl_fns.values, key=self.name, batch=batch.to_workers(), **self._batching()))
 
     def scores(self, batch: RolloutBatch) -> torch.Tensor:
-        return rl_fns.gather_shards(self._run(rl_fns.scores, key=self.name, batch=batch.to_workers(),
-                                              **self._batching()))
+        return gather_shards(self._run(rl_fns.scores, key=self.name, batch=batch.to_workers(), **self._batching()))
 
-    def train(self, fn, batch: dict, algo: AlgorithmConfig) -> tuple[dict[str, float], dict | None]:
-        """Runs the update ``fn`` on every rank: (the update's metrics, averaged over its optimizer
-        steps; the per-token outputs it returned, in batch order, or None). Each metric combines over
-        data-parallel shards as the rank declared it (``reduce``: summed partial sums, or the same
-        on every rank; ``megarl.algorithms.base.Metric``)."""
-        shards = [r for r in self._run(fn, key=self.name, batch=batch, algo=algo, optim=self.cfg.optim,
-                                       **self._batching()) if r is not None]
-        reduce = shards[0]["reduce"]
+    def train(self, fn, batch: RankBatch, algo: AlgorithmConfig | DpoConfig | None
+              ) -> tuple[dict[str, float], TokenStats | None]:
+        """Runs the update ``fn`` (with its settings ``algo``) on every rank: (the update's metrics,
+        averaged over its optimizer steps; the per-token outputs it returned, in batch order, or None).
+        Each metric combines over data-parallel shards as the rank declared it (``reduce``: summed
+        partial sums, or the same on every rank; ``megarl.algorithms.base.Metric``)."""
+        shards: list[UpdateResult] = [r for r in self._run(fn, key=self.name, batch=batch, algo=algo,
+                                                           optim=self.cfg.optim, **self._batching()) if r is not None]
+        reduce = shards[0].reduce
         steps = []
-        for per_shard in zip(*(s["steps"] for s in shards), strict=True):  # one entry per optimizer step
+        for per_shard in zip(*(s.steps for s in shards), strict=True):  # one entry per optimizer step
             steps.append({k: combine([s[k] for s in per_shard], reduce[k]) for k in per_shard[0]})
-        per_token = [s["per_token"] for s in shards if s["per_token"] is not None]
+        per_token = [s.per_token for s in shards if s.per_token is not None]
         # logged: the mean over this update's optimizer steps
         metrics = {f"{self.name}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-        return metrics, (rl_fns.gather_shards(per_token) if per_token else None)
+        return metrics, (gather_shards(per_token) if per_token else None)
 
     def routing_mismatch(self) -> dict[str, float]:
         """R3 (``moe.routing_replay``): the share of the token-layer routings replayed since the last

@@ -11,32 +11,33 @@ from megarl.config.schema import AlgorithmConfig
 from megarl.rollout.episodes import episode_metrics
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.rollout_manager import Rollout
+from megarl.workers.rank_results import TokenStats
 
 
-def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: dict,
+def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, torch.Tensor], old: TokenStats,
                  ref: torch.Tensor | None, est: Estimate, algo: AlgorithmConfig) -> dict[str, float]:
     """What every step logs besides the updates' own metrics; ``old`` holds the actor's
-    ``logprobs`` and ``entropy`` before the update, ``ref`` the reference's log-probs. The
+    log-probs and entropy before the update, ``ref`` the reference's log-probs. The
     mismatch metrics are those of ``algo``'s off-policy correction, as the ranks applied it."""
     mask = batch.mask
-    diff = (old["logprobs"] - batch.rollout_logprobs).abs()
+    diff = (old.logprobs - batch.rollout_logprobs).abs()
     groups = scores.view(-1, batch.group_size)
     out = {
         "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
         "response/length_mean": float(batch.response_lens.float().mean()),
         "response/truncated_fraction": sum(r == "length" for r in batch.finish_reasons) / batch.size,
-        "entropy/mean": float(masked_mean(old["entropy"], mask)),
+        "entropy/mean": float(masked_mean(old.entropy, mask)),
         "mismatch/max_abs_logprob": float((diff * mask).max()),
         "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(diff), mask)),
         "groups/mixed_fraction": float((groups.max(1).values != groups.min(1).values).float().mean()),
     }
     if ref is not None:  # k1 over the responses the update learnt from
-        out["kl/mean"] = float(masked_mean(kl_estimate(old["logprobs"], ref, estimator="k1") * est.mask, mask))
+        out["kl/mean"] = float(masked_mean(kl_estimate(old.logprobs, ref, estimator="k1") * est.mask, mask))
     for name, values in parts.items():
         out[name] = float(values.mean())
-    correction = off_policy_correction(algo.off_policy_correction, old["logprobs"], batch.rollout_logprobs, mask,
+    correction = off_policy_correction(algo.off_policy_correction, old.logprobs, batch.rollout_logprobs, mask,
                                        cap=algo.is_cap, low=algo.is_low, high=algo.is_high)
-    return out | mismatch_metrics(old["logprobs"], batch.rollout_logprobs, mask, correction)
+    return out | mismatch_metrics(old.logprobs, batch.rollout_logprobs, mask, correction)
 
 
 def timing(phase_times: dict[str, float], batch: RolloutBatch, step_seconds: float,

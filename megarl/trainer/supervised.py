@@ -35,6 +35,8 @@ from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import MegatronRole
 from megarl.workers import preference_fns, rl_fns
+from megarl.workers.rank_batch import RankBatch
+from megarl.workers.rank_results import gather_shards
 
 UPDATES = {"sft": preference_fns.train_sft, "rm": preference_fns.train_reward_model, "dpo": preference_fns.train_dpo}
 
@@ -98,18 +100,18 @@ def total_steps(cfg: SupervisedConfig, examples: int) -> int:
     return cfg.trainer.steps or cfg.trainer.epochs * (examples // cfg.data.batch_size)
 
 
-def make_batch(cfg: SupervisedConfig, examples: list, pad_id: int) -> dict[str, Any]:
+def make_batch(cfg: SupervisedConfig, examples: list, pad_id: int) -> RankBatch:
     """The rank batch of ``examples`` with the step's normaliser (completion tokens, pairs, or
     KTO's answers: one row per unpaired example, two per pair)."""
     if cfg.stage == "sft":
-        batch = collate([e.seq for e in examples], pad_id)
-        batch["denoms"] = [float(batch["mask"].sum())]
+        batch = RankBatch(**collate([e.seq for e in examples], pad_id))
+        batch.denoms = [float(batch.mask.sum())]
     elif is_kto(cfg):  # KTO's loss is a mean over answers
-        batch = kto_batch(examples, pad_id)
-        batch["denoms"] = [float(len(batch["desirable"]))]
+        batch = RankBatch(**kto_batch(examples, pad_id))
+        batch.denoms = [float(len(batch.desirable))]
     else:
-        batch = pair_batch(examples, pad_id)
-        batch["denoms"] = [float(len(examples))]
+        batch = RankBatch(**pair_batch(examples, pad_id))
+        batch.denoms = [float(len(examples))]
     return batch
 
 
@@ -180,36 +182,35 @@ class SupervisedRun:
         examples = [self.data.train[i] for i in batch_indices(len(self.data.train), d.batch_size, step - 1, d.seed)]
         batch = make_batch(self.cfg, examples, self.data.pad_id)
         if self.cfg.stage == "dpo":
-            batch["ref_logprobs"] = self._reference_logprobs(examples, batch)
+            batch.ref_logprobs = self._reference_logprobs(examples, batch)
         if is_kto(self.cfg):
-            batch["kto_kl"] = self._kto_reference_point(examples)
+            batch.kto_kl = self._kto_reference_point(examples)
         metrics, _ = self.roles["model"].train(update_fn(self.cfg), batch,
                                                self.cfg.dpo if self.cfg.stage == "dpo" else None)
-        metrics["data/completion_tokens"] = float(batch["mask"].sum())
+        metrics["data/completion_tokens"] = float(batch.mask.sum())
         return metrics
 
     def _kto_reference_point(self, examples: list[PairExample] | list[KtoExample]) -> float:
         """KTO's KL estimate ``z`` for a batch: the policy's (before the step) and the reference's
         log-probs of its mismatched rows (``kto_kl_rows``). The whole batch's rows are needed
         before any micro-batch's loss, hence its own forward passes first (TRL's too)."""
-        rows = kto_kl_rows(examples, self.data.pad_id, self.cfg.data.max_len)
-        mask = rows["mask"]
+        rows = RankBatch(**kto_kl_rows(examples, self.data.pad_id, self.cfg.data.max_len))
+        mask = rows.mask
         policy = (self._logprobs("model", rows) * mask).sum(1)
         ref = (self._logprobs("reference", rows) * mask).sum(1)
         return kl_reference_point(policy, ref)
 
-    def _logprobs(self, role: str, batch: dict[str, Any]) -> torch.Tensor:
+    def _logprobs(self, role: str, batch: RankBatch) -> torch.Tensor:
         r = self.roles[role]
-        return rl_fns.gather_shards(r._run(rl_fns.logprobs, key=role, batch=batch,
-                                           micro_batch_size=r.cfg.micro_batch_size))
+        return gather_shards(r._run(rl_fns.logprobs, key=role, batch=batch, micro_batch_size=r.cfg.micro_batch_size))
 
-    def _reference_logprobs(self, examples: list[PairExample] | list[KtoExample], batch: dict[str, Any]
+    def _reference_logprobs(self, examples: list[PairExample] | list[KtoExample], batch: RankBatch
                             ) -> torch.Tensor:
         """The reference's per-token log-probs [rows, L-1] of ``batch`` (``examples``'s rows): from
         the remembered ones where every example has them, else from the reference group."""
         if not all(e in self._reference for e in examples):
             return self._logprobs("reference", batch)
-        out = torch.zeros(batch["tokens"].shape[0], batch["tokens"].shape[1] - 1)
+        out = torch.zeros(batch.tokens.shape[0], batch.tokens.shape[1] - 1)
         rows = (lp for e in examples for lp in self._reference[e])
         for row, lp in enumerate(rows):
             out[row, :len(lp)] = lp
@@ -229,10 +230,9 @@ class SupervisedRun:
                 self._reference[example] = tuple(lp[row + i, :len(s.tokens) - 1].clone() for i, s in enumerate(seqs))
                 row += len(seqs)
 
-    def _scores(self, batch: dict[str, Any]) -> torch.Tensor:
+    def _scores(self, batch: RankBatch) -> torch.Tensor:
         r = self.roles["model"]
-        return rl_fns.gather_shards(r._run(rl_fns.scores, key="model", batch=batch,
-                                           micro_batch_size=r.cfg.micro_batch_size))
+        return gather_shards(r._run(rl_fns.scores, key="model", batch=batch, micro_batch_size=r.cfg.micro_batch_size))
 
     def eval_batches(self) -> list[list]:
         """The held-out examples in batches the layout takes (whole micro-batches on every rank);
@@ -257,8 +257,8 @@ class SupervisedRun:
             batch = make_batch(self.cfg, examples, self.data.pad_id)
             if self.cfg.stage == "sft":
                 lp = self._logprobs("model", batch)
-                totals["loss"] += float(-(lp * batch["mask"]).sum())
-                totals["count"] += float(batch["mask"].sum())
+                totals["loss"] += float(-(lp * batch.mask).sum())
+                totals["count"] += float(batch.mask.sum())
                 continue
             n = len(examples)
             if self.cfg.stage == "rm":
@@ -268,7 +268,7 @@ class SupervisedRun:
             else:
                 if not all(p in self._reference for p in examples):
                     self._remember_reference(examples)
-                mask = batch["mask"]
+                mask = batch.mask
                 policy = (self._logprobs("model", batch) * mask).sum(1)
                 ref, tokens = (self._reference_logprobs(examples, batch) * mask).sum(1), mask.sum(1)
                 if is_kto(self.cfg):
@@ -276,7 +276,7 @@ class SupervisedRun:
                     kl = self._kto_reference_point(examples) if n > 1 else kl
                     # per example: an unpaired answer's loss, half of a pair's two (the mean per answer)
                     answers = self.data.eval_rows_per_example
-                    loss, _ = kto_loss(policy, ref, batch["desirable"], kl, self.cfg.dpo, denom=float(answers))
+                    loss, _ = kto_loss(policy, ref, batch.desirable, kl, self.cfg.dpo, denom=float(answers))
                     ratio = policy - ref
                     if answers == 2:
                         totals["accuracy"] += float((ratio[0::2] > ratio[1::2]).float().sum())

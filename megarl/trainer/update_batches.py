@@ -8,15 +8,16 @@ from megarl.algorithms.base import Estimate
 from megarl.config.schema import RunConfig
 from megarl.trainer.batch import RolloutBatch
 from megarl.workers.rank_batch import RankBatch
+from megarl.workers.rank_results import TokenStats
 
 
-def policy_batch(batch: RolloutBatch, est: Estimate, old: dict[str, torch.Tensor] | None,
+def policy_batch(batch: RolloutBatch, est: Estimate, old: TokenStats | None,
                  ref: torch.Tensor | None, cfg: RunConfig) -> RankBatch:
     """The actor's update batch. Without ``old`` the update is on-policy and returns log-probs and
     entropy at every response token (``select_mask``) for the step's metrics."""
     return RankBatch(
         tokens=batch.tokens, seq_lens=batch.seq_lens, mask=est.mask, temperature=batch.temperature,
-        advantages=est.advantages, old_logprobs=None if old is None else old["logprobs"],
+        advantages=est.advantages, old_logprobs=None if old is None else old.logprobs,
         select_mask=batch.mask if old is None else None, ref_logprobs=ref,
         rollout_logprobs=batch.rollout_logprobs if cfg.algorithm.off_policy_correction != "none" else None,
         routes=batch.routes,

@@ -104,7 +104,7 @@ def load(key: str, ckpt_dir: str, optim: OptimizerConfig | None) -> None:
     """Restores weights and (with ``optim``) optimizer state into the held model."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from megarl.workers.rl_fns import ensure_optimizer
+    from megarl.workers.updates import ensure_optimizer
 
     model = held(key)
     if optim is not None:

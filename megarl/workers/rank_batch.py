@@ -2,13 +2,13 @@
 
 Token tensors are ``[B, L]``; label-position tensors ``[B, L-1]`` (position k predicts token k+1).
 Scoring passes need the first four fields; an update adds what its loss reads. The ranks split
-every tensor over data-parallel shards and micro-batches alike (``megarl.workers.rl_fns``).
+every per-row tensor over data-parallel shards and minibatches (``RankBatch.shard``,
+``RankBatch.rows``), then into micro-batches (``megarl.workers.microbatches``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -26,19 +26,46 @@ class RankBatch:
     advantages: torch.Tensor | None = None  # [B, L-1], or [B] for per-sequence advantages
     old_logprobs: torch.Tensor | None = None  # absent: on-policy (the update's own forward is pi_old)
     select_mask: torch.Tensor | None = None  # on-policy: positions whose log-probs/entropy come back
-    ref_logprobs: torch.Tensor | None = None  # KL term in the loss
+    ref_logprobs: torch.Tensor | None = None  # KL term in the loss (DPO, KTO: the reference's log-probs)
     rollout_logprobs: torch.Tensor | None = None  # the engine's, for the off-policy corrections
     # -- value updates ----------------------------------------------------------------------------
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    # -- the supervised stages (megarl.workers.preference_fns) -------------------------------------
+    margin: torch.Tensor | None = None  # [B] reward model: each pair's margin, on both its rows
+    desirable: torch.Tensor | None = None  # [B] bool, KTO: each row's label
+    kto_kl: float | None = None  # KTO: the step's reference point
     # -- the loss normalisers of every minibatch (megarl.trainer.update_batches.denominators) ----
     denoms: list[float] | None = None
     norm_len: float | None = None
 
-    def present(self) -> dict[str, Any]:
-        """The fields that are set, by name: the ranks slice these, tensor by tensor, into shards
-        and micro-batches."""
-        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+    @property
+    def size(self) -> int:
+        """B, the batch's sequences."""
+        return self.tokens.shape[0]
+
+    def rows(self, start: int, stop: int) -> RankBatch:
+        """Sequences ``start:stop``: every per-row tensor sliced, the rest as it is."""
+        return self._per_row(lambda value: value[start:stop])
+
+    def shard(self, dp: int, rank: int) -> RankBatch:
+        """Data-parallel rank ``rank``'s shard of ``dp`` equal ones."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] % dp:
+                raise ValueError(f"batch of {value.shape[0]} sequences does not split over {dp} data-parallel ranks")
+        return self._per_row(lambda value: value.chunk(dp)[rank])
+
+    def _per_row(self, cut) -> RankBatch:
+        return replace(self, **{f.name: cut(value) for f in fields(self)
+                                if isinstance(value := getattr(self, f.name), torch.Tensor) and value.dim() > 0})
+
+
+# The per-sequence fields a micro-batch holds for its sequences (``megarl.workers.microbatches``):
+# every tensor field but the tokens (laid out as the micro-batch's rows) and the routes (its
+# rows' model input).
+SEQUENCE_FIELDS = tuple(f.name for f in fields(RankBatch) if f.name not in ("tokens", "routes")
+                        and f.type.startswith("torch.Tensor"))
 
 
 def placeholder_routes(rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
