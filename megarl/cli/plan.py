@@ -10,13 +10,15 @@ from megarl.plan.hardware import GPUS
 
 DESCRIPTION = """\
 Proposes per-role tensor/pipeline/data (and expert) parallel layouts and a placement
-(colocated: every role on every GPU, time-shared; disaggregated: each role on GPUs of
-its own) that fit GPU memory, shows per-GPU memory by component (weights, gradients,
-optimizer with the distributed optimizer, activations with the chosen recompute,
-vLLM weights and KV cache) and an estimated step-time breakdown (generation,
-inference, training, weight sync) from FLOPs, HBM and link bandwidths. The figures
-used are printed and can be overridden. With a recipe YAML and no --gpus it checks the
-recipe's own layouts. Exit code 2 when nothing fits, with how much memory is missing."""
+(colocated: every role on every GPU, time-shared; split: the Megatron roles on some GPUs,
+vLLM on the rest; disaggregated: each role on GPUs of its own) that fit GPU memory, weighs
+lockstep against rollout one step ahead (recommending it where it is at least 5% faster),
+shows per-GPU memory by component (weights, gradients, optimizer with the distributed
+optimizer, activations with the chosen recompute, vLLM weights and KV cache) and an
+estimated step-time breakdown (generation, inference, training, weight sync) from FLOPs,
+HBM and link bandwidths. The figures used are printed and can be overridden. With a
+recipe YAML and no --gpus it checks the recipe's own layouts. Exit code 2 when nothing
+fits, with how much memory is missing."""
 
 
 EFFICIENCY_FLAGS = ("--train-mfu", "--prefill-mfu", "--hbm-efficiency", "--link-efficiency", "--overhead-gib",
@@ -33,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS), help="GPU type (default h100-80gb)")
     p.add_argument("--algo", choices=["grpo", "ppo"], help="grpo: actor+reference; ppo: +critic+reward model "
                    "(default grpo, or the recipe's)")
-    p.add_argument("--placement", default="any", choices=["any", "colocated", "disaggregated"])
+    p.add_argument("--placement", default="any", choices=["any", "colocated", "split", "disaggregated"])
     w = p.add_argument_group("workload (defaults: a long-reasoning GRPO step)")
     w.add_argument("--prompts", type=int, default=256, help="prompts per step (default 256)")
     w.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
@@ -46,8 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--micro-batch", type=int, default=1, help="training micro-batch, sequences (default 1)")
     w.add_argument("--max-num-seqs", type=int, default=256, help="vLLM concurrent sequences per engine (256)")
     w.add_argument("--max-staleness", type=int, default=None,
-                   help="rollout ahead of training by this many weight versions (trainer.max_staleness; default 0, "
-                   "a recipe's own): disaggregated, generation then overlaps scoring and training")
+                   help="rollout ahead of training by this many weight versions (trainer.max_staleness; default: "
+                   "a recipe's own, else lockstep and one step ahead are both planned and the faster recommended): "
+                   "split or disaggregated, generation then overlaps scoring and training")
     w.add_argument("--rollout-weights", choices=["model", "fp8", "fp8_emulated"], default=None,
                    help="vLLM's weights (rollout.weights; default model, a recipe's own): fp8 holds the layers in "
                    "E4M3 (half the bf16 bytes) and runs their GEMMs at --gpu-fp8-tflops")
@@ -119,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
     from megarl.plan.hardware import Efficiency, gpu_spec
     from megarl.plan.recipe import evaluate_recipe, rl_shape
     from megarl.plan.report import format_plan
-    from megarl.plan.search import NoFit, PlanInputs, plan
+    from megarl.plan.search import NoFit, PlanInputs, plan, recommend
     from megarl.plan.steptime import RLShape
     from megarl.validation import validate_run
 
@@ -154,7 +157,10 @@ def main(args: argparse.Namespace) -> int:
         weights = args.rollout_weights or (recipe.rollout.weights if recipe is not None else "model")
         inputs = PlanInputs(gpu, rl, eff, micro_batch=args.micro_batch, max_num_seqs=args.max_num_seqs,
                             max_staleness=staleness, rollout_weights=weights)
-        result = plan(arch, args.gpus, inputs, args.placement)
+        if args.max_staleness is None and staleness == 0:  # nothing asked: weigh both, recommend
+            result = recommend(arch, args.gpus, inputs, args.placement).chosen
+        else:
+            result = plan(arch, args.gpus, inputs, args.placement)
     except NoFit as e:
         print(f"megarl plan: {e}", file=sys.stderr)
         return 2

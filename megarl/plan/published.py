@@ -8,9 +8,11 @@ lengths, NeMo-Aligner's training layouts) the row's ``notes`` say what it assume
 
 ``estimate`` runs the planner's step model on the peer's layouts and placement, not on
 layouts of its own choosing: NeMo RL's colocated GRPO (every role on every GPU, vLLM with
-continuous batching), and NeMo-Aligner's PPO (actor and reference on the actor nodes, which
-also generate with TensorRT-LLM in static micro-batches; critic and reward model on their
-own nodes, scoring and training alongside the actor).
+continuous batching), its non-colocated one-step-off GRPO (``rollout_gpus``: vLLM on GPUs of its
+own running ahead, the policy and reference on the rest; ``published_pairs``), and NeMo-Aligner's
+PPO (actor and reference on the actor nodes, which also generate with TensorRT-LLM in static
+micro-batches; critic and reward model on their own nodes, scoring and training alongside the
+actor).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from megarl.plan import steptime
 from megarl.plan.archs import load_arch
 from megarl.plan.hardware import GPUS, Efficiency, GpuSpec
 from megarl.plan.memory import Layout, RolloutShape, Workload, inference_memory, trained_memory
-from megarl.plan.search import PlanInputs, rollout_at
+from megarl.plan.roles import PlanInputs, rollout_at
 from megarl.plan.steptime import RLShape, TrainCost
 
 NEMO_RL = "NVIDIA-NeMo/RL"
@@ -68,6 +70,11 @@ class PublishedRun:
     rollout_batch: int | None = None  # static generation batches of this size (None: vLLM, continuous)
     # the rollout engine's fixed cost per decode step when it is not vLLM's (Efficiency.decode_step_ms)
     decode_step_ms: float | None = None
+    # NeMo RL's non-colocated generation: vLLM on GPUs of its own (``gpus`` counts both sides, ``train``
+    # is the training GPUs' layout), running ``staleness`` steps ahead (max_trajectory_age_steps)
+    rollout_gpus: int = 0
+    staleness: int = 0
+    rollout_utilization: float = 0.6  # vLLM's gpu_memory_utilization
 
     def arch_model(self) -> ModelArch:
         return QWEN3[self.arch] if self.arch in QWEN3 else load_arch(self.arch)
@@ -109,7 +116,7 @@ RUNS = [
                  Layout(tp=1, pp=1, dp=32, ep=8), 2, "none", 198.0,
                  f"{NEMO_RL}@{NEMO_RL_V05}: {PERF_TABLE}", _RECIPES + "grpo-qwen3-30ba3b-4n8g.yaml", NEMO_RL_NOTES),
     PublishedRun("NeMo RL GRPO Qwen3-235B-A22B", "qwen3-235b-a22b", 128, 16, 32, 1, 8192, 5700,
-                 Layout(tp=2, pp=8, cp=2, dp=4, ep=16, sequence_parallel=True, first_stage_layers=11,
+                 Layout(tp=2, pp=8, cp=2, dp=4, ep=16, etp=1, sequence_parallel=True, first_stage_layers=11,
                         last_stage_layers=11), 16, "full", 431.0,
                  f"{NEMO_RL}@{NEMO_RL_V05}: {PERF_TABLE}", _RECIPES + "grpo-qwen3-235b-16n8g.yaml", NEMO_RL_NOTES),
 ] + [
@@ -136,14 +143,26 @@ RUNS = [
 class Comparison:
     run: PublishedRun
     times: dict[str, float]
+    overlapped: bool = False  # generation overlaps scoring and training (one step off or more)
 
     @property
     def estimate_s(self) -> float:
-        return sum(self.times.values())
+        t = self.times
+        if self.overlapped:
+            return max(t["generation"], t["inference"] + t["training"]) + t["weight sync"]
+        return sum(t.values())
 
     @property
     def ratio(self) -> float:
         return self.estimate_s / self.run.step_s
+
+    @property
+    def step_s(self) -> float:  # a search.Option, to weigh against plans
+        return self.estimate_s
+
+    @property
+    def placement(self) -> str:
+        return f"published {'split' if self.run.rollout_gpus or self.run.critic_gpus else 'colocated'}"
 
 
 def estimate(run: PublishedRun, gpu: GpuSpec | None = None, eff: Efficiency | None = None) -> Comparison:
@@ -153,12 +172,15 @@ def estimate(run: PublishedRun, gpu: GpuSpec | None = None, eff: Efficiency | No
         eff = replace(eff, decode_step_ms=run.decode_step_ms)
     if run.critic_gpus:
         return _estimate_split_ppo(run, gpu, eff)
+    if run.rollout_gpus:
+        return _estimate_split(run, gpu, eff)
     arch, rl = run.arch_model(), run.shape()
     # NeMo RL's vLLM defaults: gpu_memory_utilization 0.6 (grpo_math_1B.yaml), max_num_seqs 256
     inp = PlanInputs(gpu, rl, eff, max_num_seqs=256)
-    rollout = rollout_at(arch, run.gpus, inp, 0.6, run.rollout_tp)
+    rollout = rollout_at(arch, run.gpus, inp, run.rollout_utilization, run.rollout_tp)
     if rollout is None:
-        raise ValueError(f"{run.name}: vLLM tp={run.rollout_tp} holds no sequence at utilization 0.6")
+        raise ValueError(f"{run.name}: vLLM tp={run.rollout_tp} holds no sequence at utilization "
+                         f"{run.rollout_utilization}")
     cost = TrainCost(recompute=run.recompute)
     # old log-probs of the policy and the reference's, over every generated token
     inference = 2 * steptime.forward_s(arch, run.gpus, rl, gpu, eff)
@@ -172,6 +194,26 @@ def estimate(run: PublishedRun, gpu: GpuSpec | None = None, eff: Efficiency | No
         "weight sync": steptime.weight_sync_s(arch, rollout.shape, True, gpu, eff),
         "offload": steptime.offload_s(resident, gpu),
     })
+
+
+def _estimate_split(run: PublishedRun, gpu: GpuSpec, eff: Efficiency) -> Comparison:
+    """NeMo RL's GRPO with generation on GPUs of its own: the policy and the reference score and
+    train on the training GPUs (nothing offloaded), vLLM generates on the others, and the refit
+    crosses the split. Run ahead (``staleness`` > 0) the phases overlap: the step is
+    max(generation, inference + training) + weight sync (``Comparison.estimate_s``)."""
+    arch, rl = run.arch_model(), run.shape()
+    train_gpus = run.gpus - run.rollout_gpus
+    inp = PlanInputs(gpu, rl, eff, max_num_seqs=256, max_staleness=run.staleness)
+    rollout = rollout_at(arch, run.rollout_gpus, inp, run.rollout_utilization, run.rollout_tp)
+    if rollout is None:
+        raise ValueError(f"{run.name}: vLLM tp={run.rollout_tp} holds no sequence at utilization "
+                         f"{run.rollout_utilization}")
+    return Comparison(run, {
+        "generation": rollout.time_s,
+        "inference": 2 * steptime.forward_s(arch, train_gpus, rl, gpu, eff),
+        "training": steptime.training_s(arch, run.train, 1, TrainCost(recompute=run.recompute), rl, gpu, eff),
+        "weight sync": steptime.split_sync_s(arch, rollout.shape, train_gpus, gpu, eff),
+    }, overlapped=run.staleness > 0)
 
 
 def _estimate_split_ppo(run: PublishedRun, gpu: GpuSpec, eff: Efficiency) -> Comparison:

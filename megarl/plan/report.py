@@ -38,7 +38,7 @@ def format_plan(plan: Plan, gpu: GpuSpec, eff: Efficiency, rl: RLShape, title: s
         lines.append(f"  {phase:<13} {t:9.1f}")
     if plan.overlapped:
         lines.append(f"  {'total':<13} {plan.step_s:9.1f}  (rollout ahead: max(generation, inference + training) "
-                     f"+ weight sync; lockstep {sum(plan.times.values()):.1f})")
+                     f"+ weight sync; these GPUs in lockstep {sum(plan.times.values()):.1f})")
     else:
         lines.append(f"  {'total':<13} {plan.step_s:9.1f}")
     lines += ["", "hardware and efficiency figures used (override with the flags shown)"]

@@ -12,7 +12,10 @@
   4x under full recompute of every layer), stretched by the 1F1B pipeline bubble, plus
   tensor-parallel all-reduces, the distributed optimizer's reduce-scatter/all-gather and,
   with optimizer CPU offload, the host copies and the CPU Adam step of the offloaded part;
-- weight sync: each rollout GPU receives its shard of the actor's weights;
+- generation run ahead (max_staleness > 0, rollout on GPUs of its own): the engines never
+  drain, a step's worth of prompt groups stays in flight (``overlapped_generation_s``);
+- weight sync: each rollout GPU receives its shard of the actor's weights; across a split
+  the training GPUs send every engine its copy (``split_sync_s``);
 - offload (colocated only): the Megatron roles leave the GPU for generation and return.
 """
 
@@ -126,8 +129,10 @@ def decode_step_s(arch: ModelArch, roll: RolloutShape, active: float, context: f
     """One decode step of one engine with ``active`` sequences of ``context`` tokens."""
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm_efficiency * roll.tp
     params = float(arch.num_parameters())
-    if arch.is_moe:  # a small batch touches only the experts its tokens are routed to
-        touched = min(1.0, active * (arch.moe_topk or 1) / arch.num_experts)
+    if arch.is_moe:  # a small batch touches only the experts its tokens are routed to: each expert is
+        # missed by all of a layer's ``active`` tokens, top-k each (routing taken as uniform), with
+        # probability (1 - k/E)^active
+        touched = 1.0 - (1.0 - (arch.moe_topk or 1) / arch.num_experts) ** active
         params = active_params(arch) + (arch.num_parameters() - active_params(arch)) * touched
     weights = vllm_weight_bytes(arch, roll, params)
     kv = active * context * vllm_kv_bytes_per_token(arch, roll.tp, roll.dtype) * roll.tp
@@ -159,6 +164,41 @@ def generation_s(arch: ModelArch, roll: RolloutShape, rl: RLShape, gpu: GpuSpec,
             continue
         tail += chunk * decode_step_s(arch, roll, max(active, 1.0), rl.prompt_len + mid, gpu, eff)
     return prefill + full + tail
+
+
+def live_context(rl: RLShape) -> float:
+    """Mean context of the sequences decoding at once when engines run continuously: a response
+    of length L is live for L steps, so the live ones are length-weighted (under the
+    ``active_fraction`` distribution: prompt + max * mean / (max + mean))."""
+    longest, mean = rl.response_len, rl.mean_response
+    return rl.prompt_len + longest * mean / (longest + mean)
+
+
+def group_span(rl: RLShape) -> float:
+    """Expected decode steps a group of ``rl.n`` samples lasts: until its longest response ends."""
+    longest, mean = rl.response_len, rl.mean_response
+    chunk = max(1, longest // 256)
+    return sum(chunk * (1.0 - (1.0 - active_fraction(start + chunk / 2, longest, mean)) ** rl.n)
+               for start in range(0, longest, chunk))
+
+
+def overlapped_generation_s(arch: ModelArch, roll: RolloutShape, rl: RLShape, staleness: int, gpu: GpuSpec,
+                            eff: Efficiency) -> float:
+    """One step's generation when the engines run ahead on GPUs of their own (max_staleness = k > 0).
+
+    The engines never drain: up to k steps' worth of prompt groups are in flight, and a group is
+    handed on (its slot refilled with the next step's) when its longest sample ends, as NeMo RL's
+    async GRPO with in-flight weight updates runs (``num_prompts_per_step * max_trajectory_age_steps``
+    groups in flight). A group holds its slot for ``group_span`` steps while its samples, on average
+    ``mean`` of them, decode: on average ``in_flight * mean / span`` sequences decode at once, at
+    most ``max_num_seqs`` (beyond that vLLM refills a slot per sequence from its queue). The step's
+    tokens at that batch set the time; the drained tail of the lockstep batch is gone.
+    """
+    per_engine = math.ceil(rl.sequences / roll.engines)
+    mean = rl.mean_response
+    active = max(1.0, min(float(roll.max_num_seqs), per_engine * staleness * mean / group_span(rl)))
+    prefill = per_engine * rl.prompt_len * rollout_token_s(arch, roll, rl.prompt_len / 2, gpu, eff)
+    return prefill + per_engine * mean / active * decode_step_s(arch, roll, active, live_context(rl), gpu, eff)
 
 
 def megatron_mfu(arch: ModelArch, mfu: float, eff: Efficiency) -> float:
@@ -327,6 +367,15 @@ def weight_sync_s(arch: ModelArch, roll: RolloutShape, colocated: bool, gpu: Gpu
     shard = arch.num_parameters() * DTYPE_BYTES[roll.dtype] / roll.tp
     link = gpu.nvlink_gbps if colocated else gpu.interconnect_gbps
     return shard / (link * 1e9 * eff.link_efficiency)
+
+
+def split_sync_s(arch: ModelArch, roll: RolloutShape, train_gpus: int, gpu: GpuSpec, eff: Efficiency) -> float:
+    """The refit across a split: every engine receives the whole model (each of its tp GPUs its
+    shard) from the ``train_gpus`` training GPUs, which send the engines' copies between them; the
+    slower side sets the time, over NVLink when both sides share a node, else the NIC."""
+    total = arch.num_parameters() * DTYPE_BYTES[roll.dtype] * roll.engines
+    link = link_gbps(train_gpus + roll.engines * roll.tp, gpu) * 1e9 * eff.link_efficiency
+    return max(total / (roll.engines * roll.tp), total / train_gpus) / link
 
 
 def offload_s(bytes_per_gpu: float, gpu: GpuSpec) -> float:
