@@ -33,7 +33,6 @@ def refusal(capsys: pytest.CaptureFixture, *overrides: str) -> str:
     ("algorithm.entropy_coef=-0.1", "algorithm.entropy_coef=-0.1 must be >= 0"),
     ("rollout.n=5000", "rollout.n=5000: a prompt's samples are generated together on one engine, which batches at "
                        "most rollout.max_num_seqs=64"),
-    ("actor.parallel.world_size=64", "ask for 66 cores (local Ray's logical CPUs) and this machine has"),
     ("actor.model.path=README.md", "actor.model.path: model path README.md is a file"),
     ("rewards=[{kind: 'no_such_module:score'}]", "rewards[0].kind: cannot import 'no_such_module'"),
     ("rewards=[{kind: format, options: {x: 1}}]", "rewards[0].options are for a recipe's own scorer"),
@@ -60,3 +59,16 @@ def test_enumerations_of_a_config_built_in_code():
     assert enumeration_errors(cfg) == [
         "actor.precision.dtype: 'bf16' is not one of float32, bfloat16, float16 (did you mean 'bfloat16'?)",
         "rollout.weights: 'int4' is not one of model, fp8, fp8_emulated"]
+
+
+def test_more_ranks_than_the_machine_holds(capsys, tmp_path):
+    """A recipe is sound anywhere (--check notes it), but a run started here with more CPUs in its
+    bundles than a local Ray instance has would wait for them: refused before anything starts."""
+    out = tmp_path / "run"
+    args = ["train", "actor.cpus_per_rank=20", f"output_dir={out}"]
+    assert main([*args, "--check"]) == 0
+    assert "note: to run here: the run's ranks (actor 1, reference 1, rollout 1) ask for 22 cores" in \
+        capsys.readouterr().err
+    assert main(args) == 2
+    assert "ask for 22 cores (local Ray's logical CPUs) and this machine has" in capsys.readouterr().err
+    assert not out.exists()

@@ -46,9 +46,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"megarl train: error: {e}", file=sys.stderr)
         return 2
     resolved = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    # what this machine holds: a recipe for a cluster is sound anywhere (--check), but a run started
+    # here would wait for resources a local Ray instance never has
+    from megarl.cluster.placement import capacity_errors
+    from megarl.platform import current_platform
+
+    too_big = capacity_errors(cfg, current_platform().gpus_per_rank > 0)
     if args.check:
         print(resolved)
+        for problem in too_big:
+            print(f"megarl train: note: to run here: {problem}", file=sys.stderr)
         return 0
+    if too_big:
+        print(f"megarl train: error: {too_big[0]}", file=sys.stderr)
+        return 2
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)

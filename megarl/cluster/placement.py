@@ -51,7 +51,6 @@ def placement_errors(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
         errors.append(f"rollout.colocate_with={cfg.rollout.colocate_with!r} needs rollout.tp=1 on GPU "
                       f"(got {cfg.rollout.tp}); give the rollout its own GPUs for tensor-parallel engines")
     ranks = role_ranks(cfg)
-    errors += capacity_errors(cfg, gpu)
     hosts = {name: role.colocate_with for name, role in cfg.roles().items()}
     hosts["rollout"] = cfg.rollout.colocate_with
     for guest, host in hosts.items():
