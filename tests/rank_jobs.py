@@ -49,10 +49,10 @@ def lm_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor,
         losses, grad_norms = [], []
         for _ in range(steps):
             result = train_step(chunks, optimizer, [batch], lm_loss_fn(vocab), logits_forward)
-            assert result["updated"], "the optimizer skipped its step"
-            grad_norms.append(float(result["grad_norm"]))
+            assert result.updated, "the optimizer skipped its step"
+            grad_norms.append(float(result.grad_norm))
             if ps.is_pipeline_last_stage():
-                loss = result["metrics"][0]["lm_loss"].reshape(1)
+                loss = result.outputs[0]["lm_loss"].reshape(1)
                 dist.all_reduce(loss, group=ps.get_data_parallel_group())
                 losses.append(loss.item() / info.dp)
         if ps.is_pipeline_last_stage() and info.tp_rank == 0 and info.dp_rank == 0:
@@ -185,7 +185,7 @@ def gpu_train_losses(hf_dir: str, tokens: torch.Tensor, dtype: str, steps: int =
         batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous(),
                  "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
         return [float(train_step(chunks, optimizer, [batch], lm_loss_fn(spec.arch.vocab_size),
-                                 logits_forward)["metrics"][0]["lm_loss"]) for _ in range(steps)]
+                                 logits_forward).outputs[0]["lm_loss"]) for _ in range(steps)]
 
 
 def fp8_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor, steps: int = 3) -> list | None:
@@ -206,7 +206,7 @@ def fp8_train_losses(hf_dir: str, parallel: ParallelConfig, tokens: torch.Tensor
         for _ in range(steps):
             result = train_step(chunks, optimizer, [batch], lm_loss_fn(arch.vocab_size), logits_forward)
             if ps.is_pipeline_last_stage():
-                losses.append(result["metrics"][0]["lm_loss"].item())
+                losses.append(result.outputs[0]["lm_loss"].item())
         return losses if ps.is_pipeline_last_stage() and info.tp_rank == 0 and info.dp_rank == 0 else None
 
 
@@ -421,4 +421,4 @@ def moe_routing_step(hf_dir: str, parallel: ParallelConfig, moe, tokens: torch.T
     megatron_model.unload("moe")
     if dist.get_rank() != 0:
         return None
-    return {"logprobs": logprobs, "moe": result["moe"], "router_grad": router_grad}
+    return {"logprobs": logprobs, "moe": result.moe, "router_grad": router_grad}

@@ -162,7 +162,7 @@ def train_steps_on_rank(arch_name: str, seq: int, micro_batch: int, microbatches
                 platform.synchronize()
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
-                    losses.append(float(result["metrics"][-1]["lm_loss"]))
+                    losses.append(float(result.outputs[-1]["lm_loss"]))
             peak_gib = torch.cuda.max_memory_allocated() / 2**30 if platform.is_gpu else None
             ops = None
             if profile:

@@ -59,7 +59,7 @@ def time_train_steps(arch: dict[str, Any], parallel: ParallelConfig, dtype: str,
             _wait_for_device()
             dist.barrier()
             seconds = time.perf_counter() - started
-            if not result["updated"]:
+            if not result.updated:
                 raise RuntimeError(f"the optimizer skipped step {step} (non-finite gradients?)")
             if step >= warmup:
                 times.append(seconds)

@@ -10,6 +10,7 @@ sequence-parallel norms and over the pipeline for tied embeddings).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,10 +86,21 @@ def offload_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
             "overlap_cpu_optimizer_d2h_h2d": False}
 
 
+@dataclass
+class StepResult:
+    """One optimizer step's outcome on this rank."""
+
+    outputs: list  # the last pipeline stage's: what ``loss_fn`` gave for each microbatch; elsewhere []
+    updated: bool  # False: the optimizer skipped the step (non-finite gradients)
+    grad_norm: float | None
+    moe: dict[str, float]  # the MoE router's auxiliary losses (``moe_aux_losses``); {} for a dense model
+
+
 def train_step(ddp_chunks: list, optimizer, microbatches: list, loss_fn: LossFn,
                forward: Callable[[Any, Any], torch.Tensor], shapes: list[tuple[int, ...]] | None = None
-               ) -> dict[str, Any]:
-    """One optimizer step over ``microbatches``; returns the per-microbatch metrics on the last stage.
+               ) -> StepResult:
+    """One optimizer step over ``microbatches``; returns, on the last stage, what ``loss_fn`` gave
+    for each microbatch besides its loss (its metrics).
 
     ``forward(model, batch)`` runs the model on one microbatch; ``loss_fn(output, batch)``
     returns (loss, metrics). ``shapes`` are the microbatches' model input shapes ``[b, s]`` (they
@@ -123,8 +135,7 @@ def train_step(ddp_chunks: list, optimizer, microbatches: list, loss_fn: LossFn,
         forward_only=False,
     )
     updated, grad_norm, _ = optimizer.step()
-    return {"metrics": results, "updated": updated, "grad_norm": grad_norm,
-            "moe": moe_aux_losses(ddp_chunks[0].config, len(microbatches))}
+    return StepResult(results, updated, grad_norm, moe_aux_losses(ddp_chunks[0].config, len(microbatches)))
 
 
 # megatron-core's names in its aux-loss tracker, by load-balancing type

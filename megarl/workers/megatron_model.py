@@ -119,4 +119,4 @@ def lm_train_step(key: str, tokens: torch.Tensor, lr: float = 1e-3) -> float | N
              "loss_mask": torch.ones_like(local[:, 1:], dtype=torch.float)}
     result = train_step(model.chunks, model.optimizer, [batch], lm_loss_fn(model.spec.arch.vocab_size),
                         logits_forward)
-    return float(result["metrics"][0]["lm_loss"]) if result["metrics"] else None
+    return float(result.outputs[0]["lm_loss"]) if result.outputs else None

@@ -96,11 +96,11 @@ def run_update(key: str, batch: RankBatch, optim: OptimizerConfig, micro_batch_s
                                 lambda chunk, mb: rows_forward(chunk, mb.inputs),
                                 shapes=[tuple(mb.inputs.input_ids.shape) for mb in mbs])
             model.extra["optimizer_steps"] += 1
-            step = {"grad_norm": float(result["grad_norm"] or 0.0), "lr": lr, "skipped": float(not result["updated"])}
-            for name, value in result["moe"].items():  # equal on every rank after the tracker's reduction
+            step = {"grad_norm": float(result.grad_norm or 0.0), "lr": lr, "skipped": float(not result.updated)}
+            for name, value in result.moe.items():  # equal on every rank after the tracker's reduction
                 step[f"moe/{name}"] = value
                 reduce[f"moe/{name}"] = "same"
-            outputs: list[LossOutput] = result["metrics"]  # the last pipeline stage's, one per micro-batch
+            outputs: list[LossOutput] = result.outputs  # the last pipeline stage's, one per micro-batch
             if outputs:
                 if outputs[0].per_token is not None and epochs == minibatches == 1:
                     stats = scatter_stats([o.per_token for o in outputs], mbs, n, shard.tokens.shape[1])
