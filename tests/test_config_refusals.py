@@ -32,7 +32,7 @@ def refusal(capsys: pytest.CaptureFixture, *overrides: str) -> str:
     ("actor.optim.lr=0", "actor.optim.lr=0.0 must be > 0"),
     ("algorithm.entropy_coef=-0.1", "algorithm.entropy_coef=-0.1 must be >= 0"),
     ("rollout.n=5000", "rollout.n=5000: a prompt's samples are generated together on one engine, which batches at "
-                       "most rollout.max_num_seqs=64"),
+                       "most rollout.max_num_seqs=64 sequences (8 rounds of it: 512)"),
     ("actor.model.path=README.md", "actor.model.path: model path README.md is a file"),
     ("rewards=[{kind: 'no_such_module:score'}]", "rewards[0].kind: cannot import 'no_such_module'"),
     ("rewards=[{kind: format, options: {x: 1}}]", "rewards[0].options are for a recipe's own scorer"),

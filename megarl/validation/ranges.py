@@ -10,6 +10,8 @@ from megarl.data.prompts import instruction_problem
 from megarl.validation.env_checks import env_ranges, env_setting_errors
 from megarl.validation.eval_checks import eval_ranges, eval_setting_errors
 
+GROUP_ROUNDS = 8  # rollout.n may be this many times rollout.max_num_seqs at most
+
 
 def out_of_range(field: str, value: float | None, interval: str) -> str | None:
     """'field=value must be ...' when ``value`` is not a finite number in ``interval`` ('(0, 1]', '[1, inf)')."""
@@ -115,9 +117,12 @@ def range_errors(cfg: RunConfig) -> list[str]:
     if data.source.startswith("reasoning_gym:") and data.size >= 1 and data.prompts_per_step > data.size:
         errors.append(f"data.prompts_per_step={data.prompts_per_step} is more than the data.size={data.size} "
                       "prompts generated")
-    if r.n > r.max_num_seqs >= 1:
+    # A prompt's samples are generated on one engine (its prefix cache holds the prompt once); a
+    # group larger than a few of its batches serialises there while the other engines idle.
+    if r.n > GROUP_ROUNDS * r.max_num_seqs >= 1:
         errors.append(f"rollout.n={r.n}: a prompt's samples are generated together on one engine, which batches "
-                      f"at most rollout.max_num_seqs={r.max_num_seqs} sequences; lower n or raise max_num_seqs")
+                      f"at most rollout.max_num_seqs={r.max_num_seqs} sequences ({GROUP_ROUNDS} rounds of it: "
+                      f"{GROUP_ROUNDS * r.max_num_seqs}); lower n or raise max_num_seqs")
     if problem := instruction_problem("data.instruction", data.source, data.instruction):
         errors.append(problem)
     return errors
