@@ -58,8 +58,15 @@ class PromptBuilder:
         if session.current is not None and history and len(request.messages) > len(history) and \
                 [canonical(m) for m in request.messages[:len(history)]] == history:
             new = template_messages(request.messages[len(history):])
-            return session.context + renderer.observation(new, turn_ended=session.turn_ended)
-        return renderer.opening(template_messages(request.messages))
+            try:
+                return session.context + renderer.observation(new, turn_ended=session.turn_ended)
+            except ValueError:  # a template that renders earlier messages anew once more follow
+                pass  # rendered whole below (the session splits there)
+        try:
+            return renderer.opening(template_messages(request.messages))
+        except Exception as exc:  # the template's own refusal (roles out of order, a missing field)
+            raise bad(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                      "messages") from None
 
     def completion_prompt(self, session: Session, request: CompletionRequest) -> list[int]:
         prompt = request.prompt
