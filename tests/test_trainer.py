@@ -75,6 +75,8 @@ def grpo_overrides(policy: Path, reward_url: str, out: Path, steps: int) -> list
             "data.prompts_per_step=2", "data.size=16", "rollout.n=4", "rollout.max_tokens=12",
             "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=4",
             "reference.micro_batch_size=8", "actor.optim.lr=1e-3", "algorithm.kl_coef=0.01",
+            # the adaptive KL controller: its coefficient moves every step and is in the checkpoints
+            "algorithm.kl_target=0.001", "algorithm.kl_horizon=64",
             # padding removed: the actor packs sequences into rows of <= 256 tokens; the reference
             # keeps one copy of each prompt for its 4 samples, in rows of the same budget
             "actor.pack_sequences=true", "actor.max_tokens_per_microbatch=256",
@@ -153,6 +155,8 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     assert [h["step"] for h in straight] == [1, 2, 3, 4]
     assert any(h["reward/mean"] != straight[0]["reward/mean"] for h in straight), "rewards never changed"
     assert straight[0]["sync/max_abs_logprob_diff"] <= 1e-3
+    coefs = [h["kl/coef"] for h in straight]  # kl/mean > 0.001 pushes it up, by at most 0.2 * 8 / 64
+    assert len(set(coefs)) == 4 and all(0.01 * 0.975**4 <= c <= 0.01 * 1.025**4 for c in coefs), coefs
     assert all(math.isfinite(v) for h in straight for v in h.values() if not isinstance(v, list))
     ahead = train(_config([*grpo_overrides(policy, reward_url, tmp_path / "ahead", steps=4), *ONE_AHEAD]))
     assert [h["rollout/staleness"] for h in ahead] == [0, 1, 1, 1]

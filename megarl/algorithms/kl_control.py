@@ -17,11 +17,10 @@ per response token (verl's convention; Ziegler et al.'s KL is per sample, summed
 tokens). The coefficient starts at ``algorithm.kl_coef`` (> 0: a multiplicative controller
 started at 0 stays there).
 
-Pure and host-side: the driver is to keep one controller for the run, give each step's
-algorithm settings its ``value`` as ``kl_coef``, call :meth:`update` with the step's ``kl/mean``
-and its number of sequences, and keep :meth:`state_dict` in its checkpoint so that a resumed run
-continues the same schedule. Not yet wired: ``megarl.trainer.loop`` (being reworked) does not call
-it, so a run still trains with ``kl_coef`` throughout.
+Pure and host-side: the run keeps one controller (``megarl.trainer.run.Run.kl_control``), each
+step's algorithm settings take its ``value`` as ``kl_coef`` (``megarl.trainer.loop``), the step's
+``kl/mean`` and number of sequences update it (logged as ``kl/coef``), and its ``state_dict`` is
+in every checkpoint, so a resumed run continues the same schedule.
 """
 
 from __future__ import annotations

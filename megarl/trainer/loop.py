@@ -10,6 +10,7 @@ disaggregated, those steps do nothing. The rollout service (its own Ray actor,
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from megarl.algorithms import get_algorithm
 from megarl.algorithms.base import ScoredBatch
@@ -33,6 +34,7 @@ def train(cfg: RunConfig) -> list[dict]:
             log.log(0, before)
         for run.step in range(start + 1, cfg.trainer.steps + 1):
             began = time.perf_counter()
+            algo = replace(cfg.algorithm, kl_coef=run.kl_control.value)  # adapted each step (kl_target)
             with run.phase("rollout"):
                 device.to_rollout()  # the Megatron roles leave the device to vLLM
                 samples = rollout.take(run.step)  # and batches up to step + k are on their way
@@ -44,7 +46,7 @@ def train(cfg: RunConfig) -> list[dict]:
                 ref = reference.logprobs(batch) if reference else None
             warming = run.step <= cfg.trainer.critic_warmup  # the critic learns first, the actor waits
             with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
-                needed = warming or algorithm.needs_old_logprobs(cfg.algorithm)
+                needed = warming or algorithm.needs_old_logprobs(algo)
                 old = actor.logprobs(batch, entropy=True) if needed else None
             with run.phase("critic_values"):
                 values = critic.values(batch) if critic else None
@@ -52,22 +54,24 @@ def train(cfg: RunConfig) -> list[dict]:
                 before = None if old is None else old.logprobs  # the actor's, for KL in the reward
                 turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
                 scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns)
-                est = algorithm.estimate(cfg.algorithm, scored)
+                est = algorithm.estimate(algo, scored)
             metrics = {}
             if not warming:
                 with run.phase("actor_update"):
-                    metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), cfg.algorithm)
+                    metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), algo)
                     old = old or fresh
             metrics |= actor.routing_mismatch()  # R3: the routings its forwards replayed that differ
             if critic:
                 with run.phase("critic_update"):
-                    metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), cfg.algorithm)[0]
+                    metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), algo)[0]
             with run.phase("rollout_wait"):  # the engines finish what they generate ahead (or stop it)
                 rollout.drain()
             with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off
                 verified = run.sync_weights(batch)
                 generating = run.generation_seconds()  # the engines' time in generate() this step
-            metrics |= step_metrics(batch, scores, parts, old, ref, est, cfg.algorithm) | verified
+            metrics |= step_metrics(batch, scores, parts, old, ref, est, algo) | verified
+            if algo.kl_target is not None and "kl/mean" in metrics:  # the coefficient for the next step
+                metrics["kl/coef"] = run.kl_control.update(metrics["kl/mean"], n_steps=batch.size)
             offloaded = device.take_offloaded_bytes() if device.active else None
             metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded, generating,
                               len(run.engines))

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
+from megarl.algorithms.kl_control import kl_controller
 from megarl.config.schema import RunConfig
 from megarl.data.prompts import prompt_dataset
 from megarl.platform import current_platform
@@ -61,6 +62,7 @@ class Run:
         self.rollout: RolloutClient | None = None  # the rollout service (its own Ray actor)
         self.evaluator: Evaluator | None = None
         self._busy_mark = 0.0  # the engines' generation seconds at the last generation_seconds()
+        self.kl_control = kl_controller(cfg.algorithm)  # kl_coef, adapted each step when algorithm.kl_target
         self.engines_start_blank = False  # random weights until the first sync (a megarl checkpoint's actor)
         self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
 
@@ -264,7 +266,8 @@ class Run:
 
     def save(self) -> Path:
         self.rollout.drain()  # the batches generated ahead go into the checkpoint, finished or interrupted
-        state = self.rollout.state_dict()  # the prompt stream's position ("data") and the queue's
+        # the prompt stream's position ("data"), the queue's and the KL coefficient where it adapts
+        state = self.rollout.state_dict() | {"kl_control": self.kl_control.state_dict()}
         with self.colocation.roles_on_device():
             saved = self.checkpoints.save(self.step, self.trained_roles(), state, write_more=self.rollout.save)
         if self.engines:
@@ -311,6 +314,8 @@ class Run:
         for name, role in self.trained_roles().items():
             role.restore(str(latest / name), with_optimizer=True)
         self.step = state["step"]
+        if "kl_control" in state:
+            self.kl_control.load_state_dict(state["kl_control"])
         self.rollout.load(latest, {"data": state["data"], "queue": state.get("queue", {"next_index": self.step + 1})})
         self.sync_weights()
         print(f"resumed from {latest} (step {self.step})", flush=True)
