@@ -16,7 +16,8 @@ setup(
     version="0.1.0",
     description="Megatron-based 3D-parallel RLHF framework",
     python_requires=">=3.11",
-    packages=find_packages(include=["megarl", "megarl.*"]),
+    # megarl_bench: the benchmarks (`megarl bench`), a package of their own beside the production code
+    packages=find_packages(include=["megarl", "megarl.*", "megarl_bench", "megarl_bench.*"]),
     include_package_data=True,
     # the published architectures `megarl plan` reads by name (megarl.plan.archs)
     package_data={"megarl": ["py.typed"], "megarl.recipes": ["*.yaml"], "megarl.plan": ["arch_configs/*/config.json"]},

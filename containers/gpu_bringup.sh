@@ -49,7 +49,7 @@ echo "bench exit: $?"
 tail -5 "$OUT/mfu.err"
 python3 - "$OUT/mfu.json" <<'EOF'
 import json, sys
-from megarl.bench.mfu import format_table
+from megarl_bench.mfu import format_table
 try:
     print(format_table(json.load(open(sys.argv[1]))))
 except Exception as e:  # noqa: BLE001 - a failed run leaves no JSON; mfu.err says why

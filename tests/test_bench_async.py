@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.bench.async_rollout import SHARED, format_table, over_seeds, report, setting_summary
 from megarl.cli.main import main
+from megarl_bench.async_rollout import SHARED, format_table, over_seeds, report, setting_summary
 
 
 def _step(step: int, tokens_per_s: float, step_s: float, staleness: int, **more) -> dict:

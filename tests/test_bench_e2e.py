@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megarl.bench.e2e import (
+from megarl_bench.e2e import (
     TARGET_RATIO,
     StepRecord,
     SystemResult,
@@ -16,7 +16,7 @@ from megarl.bench.e2e import (
     megarl_steps,
     throughput,
 )
-from megarl.bench.e2e_trl import grpo_settings
+from megarl_bench.e2e_trl import grpo_settings
 
 
 def _result(name: str, steps: list[tuple[int, float, float]], overhead: float = 30.0) -> SystemResult:

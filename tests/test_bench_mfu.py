@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from megarl.bench.mfu import MfuBenchArgs, check_args, format_table, run_mfu_bench, step_flops
 from megarl.config.loader import ConfigError
 from megarl.plan.archs import load_arch
+from megarl_bench.mfu import MfuBenchArgs, check_args, format_table, run_mfu_bench, step_flops
 
 
 def test_matmul_parameters_are_llama_3_2_1b_published_count_less_its_norms():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megarl.bench.scaling import (
+from megarl_bench.scaling import (
     ScalingArgs,
     check_args,
     format_tables,

@@ -130,7 +130,7 @@ def test_cuda_sft_and_dpo_steps_equal_their_oracles(pools, te_model):
 def test_cuda_vocab_parallel_logprobs_use_a_quarter_of_the_naive_memory(pools):
     """The chunked log-prob + entropy path on a Llama-3 vocabulary, forward and backward, measured
     by the CUDA caching allocator's own peak (the benchmark's cross-check column)."""
-    from megarl.bench.logprob import run_rank_cases
+    from megarl_bench.logprob import run_rank_cases
 
     case = {"vocab": 128256, "padded": 128256, "batch": 2, "seq": 1024, "dtype": "bfloat16", "backward": True}
     (row,) = pools.get(1).run(run_rank_cases, tp=1, cases=[case])[0]

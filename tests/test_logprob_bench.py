@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megarl.bench.logprob import _row, format_table
-from megarl.bench.tensor_memory import TensorMemory
+from megarl_bench.logprob import _row, format_table
+from megarl_bench.tensor_memory import TensorMemory
 
 
 def test_tensor_memory_counts_new_storages_until_freed():

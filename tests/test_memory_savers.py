@@ -30,7 +30,7 @@ def test_recompute_reaches_megatron_transformer_config():
 def test_full_recompute_cuts_measured_activations(starts_processes):
     """A real megatron-core step on one CPU rank: full recompute saves far less for backward,
     and the planner's estimate follows both within 15%."""
-    from megarl.bench.memory import Case, run_memory_bench
+    from megarl_bench.memory import Case, run_memory_bench
 
     cases = [Case("small", world=1, dtype="bfloat16"), Case("small", world=1, dtype="bfloat16", recompute="full")]
     rows = run_memory_bench(cases, tolerance=0.15, progress=lambda *a: None)

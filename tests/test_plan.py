@@ -122,7 +122,7 @@ def test_8b_plan_fits_its_gpus():
 
 def test_measured_memory_matches_model_on_two_ranks(starts_processes):
     """One real megatron-core case (tiny model, tp=2, fp32): every component within 15%."""
-    from megarl.bench.memory import Case, run_memory_bench
+    from megarl_bench.memory import Case, run_memory_bench
 
     rows = run_memory_bench([Case("tiny", tp=2, world=2)], tolerance=0.15, progress=lambda *a: None)
     assert {r["component"] for r in rows} == {"weights", "gradients", "optimizer", "activations", "total"}

@@ -19,8 +19,8 @@ import math
 import pytest
 import torch
 
-from megarl.bench.refit import memory_overruns
 from megarl.platform import current_platform
+from megarl_bench.refit import memory_overruns
 
 BUCKET = 16 * 2**20
 TP = 3
@@ -45,7 +45,7 @@ def _result(rollout_peak: int, actor_peak: int = 0) -> dict:
 @pytest.mark.parametrize("rollout_peak,actor_peak,code", [(120 * 2**20, 0, 1), (100 * 2**20, 0, 0),
                                                            (0, 101 * 2**20, 1)])
 def test_bench_exits_nonzero_naming_the_rank_over_its_limit(rollout_peak, actor_peak, code, monkeypatch, capsys):
-    from megarl.bench import cli, refit
+    from megarl_bench import cli, refit
 
     monkeypatch.setattr(refit, "run_refit", lambda args, progress=print: _result(rollout_peak, actor_peak))
     args = argparse.Namespace(model="m", train_tp=1, train_pp=3, train_ep=1, train_etp=None, rollout_tp=3,

@@ -26,7 +26,7 @@ def test_vocab_parallel_logprobs_and_entropy_match_the_full_vocabulary(tp, chunk
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logprob_bench_measures_the_chunked_path_far_below_the_naive_one(tp, pools):
-    from megarl.bench.logprob import _row, run_rank_cases
+    from megarl_bench.logprob import _row, run_rank_cases
 
     # 2 x 64 tokens, vocab 1000 padded to 1024 (the last rank's slice is partly padding), 8-token chunks
     cases = [{"vocab": 1000, "padded": 1024, "batch": 2, "seq": 64, "dtype": "float32", "backward": backward,

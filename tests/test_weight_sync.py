@@ -207,7 +207,7 @@ def test_smollm2_sync(tp, groups, engines, smollm2):
 
 
 def test_bench_refit_reports_exact_bytes_and_the_baseline(ray_session, rollout_model):
-    from megarl.bench.refit import RefitArgs, format_table, run_refit
+    from megarl_bench.refit import RefitArgs, format_table, run_refit
 
     result = run_refit(RefitArgs(model=str(rollout_model), train_tp=2, rollout_tp=2, bucket_mib=0.25, repeats=1),
                        progress=lambda *a: None)

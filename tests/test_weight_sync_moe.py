@@ -134,7 +134,7 @@ def test_sync_into_vllm_expert_parallel_layers(actor4, moe):
 
 
 def test_bench_refit_moves_exactly_each_ranks_expert_bytes(moe):
-    from megarl.bench.refit import RefitArgs, format_table, reference_bytes, run_refit
+    from megarl_bench.refit import RefitArgs, format_table, reference_bytes, run_refit
 
     model, _ = moe
     # the actor at tp 2 with each expert whole (etp 1) over ep 2: two ranks

@@ -23,10 +23,10 @@ DOC_PAGES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megarl.bench import cli as bench_cli
     from megarl.cli import demo
     from megarl.cli import train as train_cli
     from megarl.convert import cli as convert_cli
+    from megarl_bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
         prog="megarl",

@@ -30,7 +30,7 @@ Paths, each on the same TP-local logits [batch, seq, padded_vocab/tp] of every r
 Each tp runs as tp real ranks (torch.distributed, gloo on CPU) started by megarl.
 
 How memory is measured: torch's CPU allocator keeps no peak statistics, so a dispatch mode
-(megarl.bench.tensor_memory.TensorMemory) sees every operator of the path, forward and
+(megarl_bench.tensor_memory.TensorMemory) sees every operator of the path, forward and
 backward, counts each newly allocated tensor storage until it is freed, and records the peak
 of the live total. Storages that existed before (the input logits) never count; outputs and
 the gradient w.r.t. the logits do. Per rank; the table shows the worst rank. As a cross-check
@@ -58,7 +58,7 @@ def add_parser(bs: argparse._SubParsersAction) -> None:
 
 
 def run_logprob_cmd(args: argparse.Namespace) -> int:
-    from megarl.bench.logprob import LogprobBenchArgs, dumps, format_table, run_logprob_bench
+    from megarl_bench.logprob import LogprobBenchArgs, dumps, format_table, run_logprob_bench
 
     bench = LogprobBenchArgs(vocabs=args.vocab, tps=args.tp, batch=args.batch, seq=args.seq, dtype=args.dtype,
                              vocab_pad_multiple=args.vocab_pad_multiple)

@@ -284,8 +284,8 @@ def _start_vllm(config: dict[str, Any], args: ScalingArgs, dtype: str, progress)
     """One engine for every rank count: the model's config only, weights random (the sync overwrites them)."""
     import tempfile
 
-    from megarl.bench.reference_engine import ReferenceTransferEngine
     from megarl.rollout.remote import start_engine, wait_ready
+    from megarl_bench.reference_engine import ReferenceTransferEngine
 
     model_dir = tempfile.mkdtemp(prefix="megarl-scaling-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
@@ -306,10 +306,10 @@ def _start_vllm(config: dict[str, Any], args: ScalingArgs, dtype: str, progress)
 
 def _run_rank_count(args: ScalingArgs, ranks: int, config: dict[str, Any], dtype: str, engine: Any,
                     curves: dict, step_times: dict, sync_points: list, threads: dict, progress) -> None:
-    from megarl.bench import scaling_fns
     from megarl.models.hf_arch import arch_from_hf_config
     from megarl.platform import current_platform
     from megarl.workers import WorkerGroup
+    from megarl_bench import scaling_fns
 
     arch = arch_from_hf_config(config).to_dict()
     group = WorkerGroup("scaling", ranks, num_gpus_per_rank=current_platform().gpus_per_rank)
@@ -333,9 +333,9 @@ def _run_rank_count(args: ScalingArgs, ranks: int, config: dict[str, Any], dtype
 
 def _time_sync(args: ScalingArgs, group, ranks: int, arch: dict[str, Any], dtype: str, engine: Any,
                progress) -> dict[str, float]:
-    from megarl.bench import scaling_fns
-    from megarl.bench.reference_transfers import raw_transfer_seconds
     from megarl.workers.weight_sync import WeightSync
+    from megarl_bench import scaling_fns
+    from megarl_bench.reference_transfers import raw_transfer_seconds
 
     group.run(scaling_fns.hold_random_model, key=_SYNC_KEY, arch=arch,
               parallel=ParallelConfig(tp=ranks, world_size=ranks), dtype=dtype)
@@ -425,7 +425,7 @@ def dumps(result: dict[str, Any]) -> str:
 
 def write_outputs(result: dict[str, Any], out: str) -> list[str]:
     """scaling.json and scaling.png under ``out``; returns the paths written."""
-    from megarl.bench.scaling_plot import plot_efficiency
+    from megarl_bench.scaling_plot import plot_efficiency
 
     os.makedirs(out, exist_ok=True)
     json_path = os.path.join(out, "scaling.json")

@@ -21,8 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from megarl.bench.e2e_records import StepRecord, SystemResult
 from megarl.config.schema import RunConfig
+from megarl_bench.e2e_records import StepRecord, SystemResult
 
 # megarl's algorithm options that TRL's GRPOTrainer has no counterpart for here.
 _UNSUPPORTED = {

@@ -64,7 +64,7 @@ def add_parser(bs: argparse._SubParsersAction) -> None:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    from megarl.bench.scaling import ScalingArgs, dumps, format_tables, progress_printer, run_scaling, write_outputs
+    from megarl_bench.scaling import ScalingArgs, dumps, format_tables, progress_printer, run_scaling, write_outputs
 
     scaling = ScalingArgs(
         ranks=args.ranks, modes=args.modes, hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn,

@@ -63,8 +63,8 @@ def _measure(fn) -> tuple[Any, int, int]:
     """(fn's result, peak tensor bytes allocated in fn, cross-check): the cross-check is the rise of
     the CUDA caching allocator's peak on GPU (``torch.cuda.max_memory_allocated``), else the
     process's peak-RSS rise."""
-    from megarl.bench.tensor_memory import TensorMemory
     from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
+    from megarl_bench.tensor_memory import TensorMemory
 
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -125,9 +125,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def run_async_cmd(args: argparse.Namespace) -> int:
-    from megarl.bench.e2e import bench_config
     from megarl.cluster.ray_env import shutdown_ray
     from megarl.trainer.loop import train
+    from megarl_bench.e2e import bench_config
 
     out = args.out or Path(tempfile.mkdtemp(prefix="megarl-bench-async-"))
     overrides = [*DEFAULT_OVERRIDES, *args.overrides]

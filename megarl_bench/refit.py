@@ -108,13 +108,13 @@ def reference_bytes(arch, rollout_tp: int, element_size: int) -> dict[str, dict[
 def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
     import ray
 
-    from megarl.bench.reference_engine import ReferenceTransferEngine
-    from megarl.bench.reference_transfers import full_tensor_seconds, raw_transfer_seconds
     from megarl.cluster.ray_env import ensure_ray
     from megarl.models.bundled import resolve_model_path
     from megarl.rollout.remote import start_engine, wait_ready
     from megarl.workers import WorkerGroup, megatron_model
     from megarl.workers.weight_sync import WeightSync
+    from megarl_bench.reference_engine import ReferenceTransferEngine
+    from megarl_bench.reference_transfers import full_tensor_seconds, raw_transfer_seconds
 
     arch = check_args(args)
     model = str(resolve_model_path(args.model))

@@ -8,7 +8,7 @@ first-call compilation); start-up and teardown are reported apart, as the wall
 time outside the timed steps. With ``--rounds`` > 1 the order alternates
 (megarl first, then TRL first, ...) so slow drift on a shared machine hits both.
 
-TRL's side is in :mod:`megarl.bench.e2e_trl`, imported only when the bench runs;
+TRL's side is in :mod:`megarl_bench.e2e_trl`, imported only when the bench runs;
 TRL is an optional dependency (``pip install -e .[bench]``).
 """
 
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megarl.bench.e2e_records import StepRecord, SystemResult
 from megarl.utils.cores import usable_cores
+from megarl_bench.e2e_records import StepRecord, SystemResult
 
 TARGET_RATIO = 1.5
 TRL_MISSING = ("megarl bench e2e compares against TRL's GRPOTrainer, but the package trl is not installed; "
@@ -194,7 +194,7 @@ def plan_e2e(recipe: str | None, overrides: list[str], steps: int, rounds: int, 
              threads: int) -> list[dict[str, Any]]:
     """Each round's validated configs (one run directory per system); bad arguments or a
     recipe TRL cannot reproduce fail here, before any process starts."""
-    from megarl.bench.e2e_trl import grpo_settings
+    from megarl_bench.e2e_trl import grpo_settings
 
     if steps < 2 or rounds < 1 or threads < 1:
         raise ValueError(f"--steps must be >= 2 (step 1 is warm-up), --rounds and --threads >= 1; "
@@ -210,7 +210,7 @@ def run_e2e(cfgs: list[dict[str, Any]], steps: int, threads: int, progress=print
     """Runs every round (alternating which system goes first) and returns the report."""
     import torch
 
-    from megarl.bench.e2e_trl import run_trl_process
+    from megarl_bench.e2e_trl import run_trl_process
 
     # Idle OpenMP threads sleep instead of spinning. Set for both systems alike (megarl's Ray
     # workers and vLLM inherit it; TRL runs in a fresh process): on a shared, oversubscribed

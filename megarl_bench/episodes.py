@@ -28,12 +28,12 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "model_configs" / "cpu_to
 def run_episodes_cmd(args: argparse.Namespace) -> int:
     import ray
 
-    from megarl.bench.e2e import bench_config
     from megarl.cluster.ray_env import ensure_ray, shutdown_ray
     from megarl.data.prompts import prompt_dataset
     from megarl.rollout.remote import episode_item, start_engine, submit_episodes, wait_ready
     from megarl.rollout.sampling import SamplingConfig
     from megarl.trainer.run import hf_folder
+    from megarl_bench.e2e import bench_config
 
     recipe = args.recipe or DEFAULT_RECIPE
     cfg = bench_config(str(recipe), args.overrides, 1, Path("/tmp/megarl-bench-episodes"))

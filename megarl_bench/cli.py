@@ -30,31 +30,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the full-tensor baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_refit_cmd)
-    from megarl.bench.memory import add_parser as add_memory_parser  # planner memory model vs mcore
+    from megarl_bench.memory import add_parser as add_memory_parser  # planner memory model vs mcore
 
     add_memory_parser(bs)
-    from megarl.bench import scaling_cli
+    from megarl_bench import scaling_cli
 
     scaling_cli.add_parser(bs)
-    from megarl.bench import logprob_cli
+    from megarl_bench import logprob_cli
 
     logprob_cli.add_parser(bs)
-    from megarl.bench.e2e import add_e2e_parser  # megarl vs TRL's GRPOTrainer
+    from megarl_bench.e2e import add_e2e_parser  # megarl vs TRL's GRPOTrainer
 
     add_e2e_parser(bs)
-    from megarl.bench import async_rollout  # rollout ahead of training vs lockstep
+    from megarl_bench import async_rollout  # rollout ahead of training vs lockstep
 
     async_rollout.add_parser(bs)
-    from megarl.bench import episodes  # multi-turn episodes: overlapping tool calls vs lockstep turns
+    from megarl_bench import episodes  # multi-turn episodes: overlapping tool calls vs lockstep turns
 
     episodes.add_parser(bs)
-    from megarl.bench import mfu  # model-FLOPs utilisation of the actor's training step
+    from megarl_bench import mfu  # model-FLOPs utilisation of the actor's training step
 
     mfu.add_parser(bs)
 
 
 def run_refit_cmd(args: argparse.Namespace) -> int:
-    from megarl.bench.refit import RefitArgs, dumps, format_table, memory_overruns, run_refit
+    from megarl_bench.refit import RefitArgs, dumps, format_table, memory_overruns, run_refit
 
     refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, train_ep=args.train_ep,
                       train_etp=args.train_etp, rollout_tp=args.rollout_tp,
