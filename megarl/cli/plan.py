@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megarl.algorithms.registry import ALGORITHMS
 from megarl.plan.hardware import GPUS
 
 DESCRIPTION = """\
@@ -33,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "megarl/plan/arch_configs (e.g. llama3.1-70b)")
     p.add_argument("--gpus", type=int, help="GPUs to plan for (a recipe without it: check its own layouts)")
     p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS), help="GPU type (default h100-80gb)")
-    p.add_argument("--algo", choices=["grpo", "ppo"], help="grpo: actor+reference; ppo: +critic+reward model "
-                   "(default grpo, or the recipe's)")
+    p.add_argument("--algo", choices=ALGORITHMS, help="the algorithm (its roles: actor and reference, and a "
+                   "critic and reward model where it learns values, e.g. ppo); default grpo, or the recipe's")
     p.add_argument("--placement", default="any", choices=["any", "colocated", "split", "disaggregated"])
     w = p.add_argument_group("workload (defaults: a long-reasoning GRPO step)")
     w.add_argument("--prompts", type=int, default=256, help="prompts per step (default 256)")

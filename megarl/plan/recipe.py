@@ -55,7 +55,7 @@ def layout_of(role) -> Layout:
 
 
 def rl_shape(cfg: RunConfig) -> RLShape:
-    return RLShape(algo="ppo" if cfg.critic is not None else "grpo", prompts=cfg.data.prompts_per_step,
+    return RLShape(algo=cfg.algorithm.name, prompts=cfg.data.prompts_per_step,
                    n=cfg.rollout.n, prompt_len=cfg.data.max_prompt_len, response_len=cfg.rollout.max_tokens,
                    ppo_epochs=cfg.algorithm.ppo_epochs, minibatches=cfg.algorithm.minibatches)
 

@@ -13,6 +13,7 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
+from megarl.config.roles import ROLE_KINDS
 from megarl.models.hf_arch import ModelArch
 from megarl.plan import steptime
 from megarl.plan.hardware import GIB, Efficiency, GpuSpec
@@ -29,16 +30,21 @@ from megarl.plan.memory import (
 from megarl.plan.savers import Saver, most_saving, savers
 from megarl.plan.steptime import RLShape
 
-TRAINED = {"actor": False, "critic": True}  # role -> value head
-SCORING = {"reference": False, "reward_model": True}
+# role -> value head, for the roles that train and those that score (megarl.config.roles)
+TRAINED = {name: kind.value_head for name, kind in ROLE_KINDS.items() if kind.trained}
+SCORING = {name: kind.value_head for name, kind in ROLE_KINDS.items() if not kind.trained}
 
 
 def roles_for(algo: str) -> list[str]:
-    if algo == "grpo":
-        return ["actor", "reference"]
-    if algo == "ppo":
-        return ["actor", "critic", "reference", "reward_model"]
-    raise ValueError(f"algo {algo!r} must be grpo or ppo")
+    """The roles a step of ``algo`` (a registered algorithm's name) runs, asked of the algorithm:
+    the actor and a KL reference (the workloads the planner models all use one), and a critic
+    with the reward model it starts from where the algorithm learns a value function."""
+    from megarl.algorithms.registry import ALGORITHMS, get_algorithm
+
+    if algo not in ALGORITHMS:
+        raise ValueError(f"algo {algo!r} must be one of {', '.join(ALGORITHMS)}")
+    return ["actor", "critic", "reference", "reward_model"] if get_algorithm(algo).needs_critic \
+        else ["actor", "reference"]
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,10 @@ def plan_split(arch: ModelArch, n: int, inp: PlanInputs) -> Plan:
 
 
 def _forward_passes(algo: str) -> list[str]:
-    """Forward passes over the batch per step: old log-probs, reference, and PPO's critic and reward."""
-    return ["actor old log-probs", "reference"] + (["critic values", "reward model"] if algo == "ppo" else [])
+    """Forward passes over the batch per step: old log-probs, reference, and where the algorithm
+    learns a value function, the critic's values and the reward model's scores."""
+    with_critic = "critic" in roles_for(algo)
+    return ["actor old log-probs", "reference"] + (["critic values", "reward model"] if with_critic else [])
 
 
 def _group_sizes(n: int) -> list[int]:

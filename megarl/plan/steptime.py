@@ -45,7 +45,7 @@ class RLShape:
     the mean (None: every response runs to the limit, the worst case).
     """
 
-    algo: str = "grpo"  # grpo (actor, reference) | ppo (+ critic, reward model)
+    algo: str = "grpo"  # a registered algorithm; its roles: megarl.plan.roles.roles_for
     prompts: int = 256
     n: int = 8
     prompt_len: int = 1024

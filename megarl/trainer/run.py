@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megarl.algorithms.kl_control import kl_controller
+from megarl.config.roles import ROLE_KINDS, TRAINED_ROLES
 from megarl.config.schema import RunConfig
 from megarl.data.prompts import prompt_dataset
 from megarl.platform import current_platform
@@ -183,7 +184,7 @@ class Run:
                             bundle_offset=slot.bundle_offset, collective_timeout_s=tr.collective_timeout_s,
                             threads_per_rank=self._cpu_threads(slot))
         role = MegatronRole(name, role_cfg, group, role_cfg.model.path, timeout_s=tr.step_timeout_s,
-                            value_head=name in ("critic", "reward_model"))
+                            value_head=ROLE_KINDS[name].value_head)
         role.load(timeout_minutes=max(1, math.ceil(tr.collective_timeout_s / 60)))
         return role
 
@@ -262,7 +263,7 @@ class Run:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def trained_roles(self) -> dict[str, MegatronRole]:
-        return {n: r for n, r in self.roles.items() if n in ("actor", "critic")}
+        return {n: r for n, r in self.roles.items() if n in TRAINED_ROLES}
 
     def save(self) -> Path:
         self.rollout.drain()  # the batches generated ahead go into the checkpoint, finished or interrupted

@@ -3,6 +3,7 @@ schedule; every message names the dotted field."""
 
 from __future__ import annotations
 
+from megarl.config.roles import TRAINED_ROLES
 from megarl.config.schema import RunConfig
 from megarl.models.hf_arch import ModelArch
 
@@ -68,7 +69,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
     for name, role in cfg.roles().items():
         dp = role.parallel.data_parallel_size
         per_rank = sequences // dp if sequences % dp == 0 else None
-        steps = algo.minibatches if name in ("actor", "critic") else 1
+        steps = algo.minibatches if name in TRAINED_ROLES else 1
         # cut or packed micro-batches take any number of sequences; fixed ones a multiple
         trimmed = role.max_tokens_per_microbatch is not None or role.pack_sequences or role.share_prompt
         fixed = 1 if trimmed else role.micro_batch_size

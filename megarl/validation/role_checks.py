@@ -4,6 +4,7 @@ layout, precision, MoE routing and micro-batching; every message names the dotte
 from __future__ import annotations
 
 from megarl.config.loader import ConfigError
+from megarl.config.roles import VALUE_HEAD_ROLES
 from megarl.config.schema import (
     MoeConfig,
     PrecisionConfig,
@@ -13,8 +14,6 @@ from megarl.config.schema import (
 from megarl.models.hf_arch import ArchError, ModelArch
 from megarl.models.layout import parallel_errors
 from megarl.platform import Platform
-
-VALUE_HEAD_ROLES = ("critic", "reward_model")  # loaded with a one-output `score` head
 
 
 def role_model_errors(name: str, role: RoleConfig, platform: Platform) -> tuple[ModelArch | None, list[str]]:
