@@ -87,7 +87,7 @@ def test_gspo_refuses_token_level_settings():
     assert [e.split(":")[0] for e in got] == [
         "algorithm.dual_clip=3.0", "algorithm.aggregation='seq-mean-token-sum'",
         "algorithm.off_policy_correction='tis' weighs single tokens, gspo weighs whole sequences; "
-        "use mis or token_mask"]
+        "use seq_tis, mis or token_mask"]
 
 
 def test_the_rank_runs_gspo_from_the_config(rank_loss):  # noqa: F811

@@ -50,7 +50,7 @@ class GSPO(GRPO):
                           "length-normalised; use seq-mean-token-mean (or token-mean)")
         if cfg.off_policy_correction in ("tis", "icepop"):
             errors.append(f"algorithm.off_policy_correction={cfg.off_policy_correction!r} weighs single tokens, gspo "
-                          "weighs whole sequences; use mis or token_mask")
+                          "weighs whole sequences; use seq_tis, mis or token_mask")
         return errors
 
     def policy_loss(self, cfg: AlgorithmConfig, mb: PolicyMicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
