@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 TARGET = 1.0
-DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "model_configs" / "cpu_tool_calc.yaml"
+DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "model_configs" / "cpu_tool_calc.yaml"
 
 
 def run_episodes_cmd(args: argparse.Namespace) -> int:
