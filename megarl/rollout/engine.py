@@ -119,6 +119,10 @@ class EpisodeHost(Protocol):
         version fence as ``generate``. With ``epoch``, ``interrupt`` of it stops the unfinished
         episodes (None in their places): dropped, or with ``keep`` suspended under that name."""
 
+    def endpoint_url(self) -> str:
+        """The OpenAI-compatible endpoint's base URL on loopback, that ``env.kind: pkg.mod:fn``
+        agents talk to ('' before the first agent episode started it; megarl.rollout.endpoint)."""
+
 
 class EpisodeSuspension(Protocol):
     """env with trainer.schedule: opportunistic and rollout.partial: continue: episodes kept
