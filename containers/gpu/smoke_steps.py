@@ -251,8 +251,9 @@ def grpo() -> dict:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         failure = run_dir / "failure.log"  # the full error (the CLI prints its first line)
         if failure.exists():
-            (OUT / f"{name}.failure.log").write_text(failure.read_text())
-            tail += failure.read_text().strip().splitlines()[-4:]
+            detail = failure.read_text()
+            (OUT / f"{name}.failure.log").write_text(detail)
+            tail += detail.strip().splitlines()[-4:]
         raise RuntimeError(f"megarl train exited {proc.returncode}: {' | '.join(tail)}; steps logged: {steps}")
     return {"run_seconds": round(seconds, 1), "args": extra, "steps": steps}
 

@@ -49,9 +49,8 @@ def run(args: argparse.Namespace) -> int:
     # what this machine holds: a recipe for a cluster is sound anywhere (--check), but a run started
     # here would wait for resources a local Ray instance never has
     from megarl.cluster.placement import capacity_errors
-    from megarl.platform import current_platform
 
-    too_big = capacity_errors(cfg, current_platform().gpus_per_rank > 0)
+    too_big = capacity_errors(cfg)
     if args.check:
         print(resolved)
         for problem in too_big:

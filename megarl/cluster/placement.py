@@ -67,7 +67,7 @@ def placement_errors(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
     return errors
 
 
-def capacity_errors(cfg: RunConfig, gpu: bool) -> list[str]:
+def capacity_errors(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
     """A run that a local Ray instance (no RAY_ADDRESS) cannot place: more CPUs or GPUs in its
     bundles than the instance has. Ray would wait for them (``place``: ten minutes) instead of
     saying so. A cluster's resources are known only once joined: ``place`` waits there."""
@@ -77,6 +77,7 @@ def capacity_errors(cfg: RunConfig, gpu: bool) -> list[str]:
 
     if os.environ.get("RAY_ADDRESS"):
         return []
+    gpu = current_platform().gpus_per_rank > 0 if gpu is None else gpu
     bundles, _ = bundle_plan(cfg, gpu)
     wanted = {kind: sum(b.get(kind, 0.0) for group in bundles.values() for b in group) for kind in ("CPU", "GPU")}
     have = {"CPU": max(DEFAULT_LOCAL_CPUS, os.cpu_count() or 1), "GPU": current_platform().visible_gpus() or 0}

@@ -193,7 +193,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 
 def _choice(value: Any, choices: tuple, where: str) -> Any:
     """An enumerated field's value (``Literal[...]``), or one line naming the choices."""
-    if value in choices and type(value) is type(next(c for c in choices if c == value)):
+    if any(value == c and type(value) is type(c) for c in choices):  # True is not the choice 1
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool) and str(value) in choices:
         return str(value)  # YAML's numbers for text choices, as for string fields
@@ -202,31 +202,23 @@ def _choice(value: Any, choices: tuple, where: str) -> Any:
     raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
 
 
-def _choices(hint: Any) -> tuple | None:
-    """The allowed values of a ``Literal[...]`` (or ``Literal[...] | None``) field type, else None."""
-    if typing.get_origin(hint) is typing.Literal:
-        return typing.get_args(hint)
+def _enumerated(hint: Any) -> bool:
+    """A ``Literal[...]`` field type, or one in a union (``Literal[...] | None``)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        literals = [a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal]
-        if literals:
-            nullable = type(None) in typing.get_args(hint)
-            return tuple(v for a in literals for v in typing.get_args(a)) + ((None,) if nullable else ())
-    return None
+        return any(_enumerated(option) for option in typing.get_args(hint))
+    return typing.get_origin(hint) is typing.Literal
 
 
 def enumeration_errors(cfg: Any, where: str = "") -> list[str]:
     """Every enumerated field of a config built in code (the loader checks those it reads) whose
-    value is not one of its choices; one line each, as the loader words it."""
+    value is not one of its choices; one line each, as the loader words it (``_coerce``)."""
     errors: list[str] = []
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, path = getattr(cfg, f.name), f"{where}.{f.name}" if where else f.name
-        choices = _choices(hints[f.name])
-        if choices is not None:
-            if value is None and None in choices:
-                continue
+        if _enumerated(hints[f.name]):
             try:
-                _choice(value, tuple(c for c in choices if c is not None), path)
+                _coerce(value, hints[f.name], path)
             except ConfigError as e:
                 errors.append(str(e))
         elif dataclasses.is_dataclass(value):

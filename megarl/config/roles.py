@@ -8,9 +8,6 @@ group). Which roles a run has is the algorithm's question (``Algorithm.needs_cri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-RoleName = Literal["actor", "critic", "reference", "reward_model"]
 
 
 @dataclass(frozen=True)
