@@ -172,7 +172,7 @@ def test_streamed_episode_groups_are_cut_by_an_interrupt_and_go_on_where_they_wa
     import ray
 
     from megarl.rollout.episodes import suspended_name
-    from megarl.rollout.group_streams import groups_as_they_finish, open_episode_group_streams
+    from megarl.rollout_driver.group_streams import groups_as_they_finish, open_episode_group_streams
 
     requests, sampling, cfg = _interruptible_requests()
     groups = [(g, requests[2 * g:2 * g + 2]) for g in range(6)]
@@ -305,7 +305,7 @@ def test_groups_of_episodes_stream_the_episodes_of_a_whole_batch(engine, tokeniz
     from megarl.config.schema import DataConfig
     from megarl.data.prompts import prompt_dataset
     from megarl.rewards.combined import RunReward
-    from megarl.trainer.rollout_manager import RolloutManager
+    from megarl.rollout_driver.manager import RolloutManager
 
     cfg = RunConfig(data=DataConfig(source="reasoning_gym:products", size=16, prompts_per_step=4,
                                     task_config={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3},

@@ -11,7 +11,7 @@ from conftest import VOCAB
 from megarl.algorithms.kl import kl_estimate
 from megarl.config.schema import AlgorithmConfig, OptimizerConfig, ParallelConfig
 from megarl.rollout.sampling import RolloutSample
-from megarl.trainer.batch import build_batch
+from megarl.rollout_driver.batch import build_batch
 from megarl.workers import megatron_model, rl_fns
 from megarl.workers.rank_batch import RankBatch
 

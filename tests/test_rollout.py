@@ -87,7 +87,7 @@ def test_sample_logprobs_are_the_tempered_policys_as_the_trainer_scores_it(engin
     """At T = 0.7 the tokens come from softmax(logits / 0.7): vLLM reports their log-probs under it,
     and a Megatron rank scoring the batch (as the actor and reference do) uses the same T."""
     from megarl.config.schema import ParallelConfig
-    from megarl.trainer.batch import build_batch
+    from megarl.rollout_driver.batch import build_batch
     from megarl.workers import WorkerGroup, megatron_model, rl_fns
     from megarl.workers.rank_results import gather_shards
 
@@ -112,7 +112,7 @@ def test_groups_stream_the_samples_generate_gives(engine):
     call when the previous group finishes), and each comes back on its own. They hold generate's
     samples (same seeds: vLLM's j-th child of seed s is seed s + j): the same tokens and finish
     reasons, log-probs within 1e-6."""
-    from megarl.rollout.group_streams import groups_as_they_finish, open_group_streams
+    from megarl.rollout_driver.group_streams import groups_as_they_finish, open_group_streams
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4], [5, 6]]
     sampling = SamplingConfig(temperature=1.0, max_tokens=12, n=2, seed=21)
@@ -192,9 +192,9 @@ def test_streamed_groups_of_segments_are_cut_short_by_an_interrupt_and_continue(
     log-probs are the engine's scoring of it (one version throughout)."""
 
 
-    from megarl.rollout.group_streams import groups_as_they_finish, open_segment_group_streams
     from megarl.rollout.sampling import SegmentRequest
-    from megarl.trainer.partial_rollouts import new_batch, stream, take_groups
+    from megarl.rollout_driver.group_streams import groups_as_they_finish, open_segment_group_streams
+    from megarl.rollout_driver.partial_samples import new_batch, stream, take_groups
 
     sampling = SamplingConfig(temperature=1.0, max_tokens=12)
     requests = [(0, [SegmentRequest([1, 2, 3], 12, 40), SegmentRequest([1, 2, 3], 12, 41)]),

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from megarl.rollout.sampling import RolloutSample
-from megarl.trainer.rollout_manager import PendingRollout, Rollout
-from megarl.trainer.rollout_queue import RolloutQueue, StaleRollout
+from megarl.rollout_driver.batch_queue import RolloutQueue, StaleRollout
+from megarl.rollout_driver.manager import PendingRollout, Rollout
 
 
 class RecordingManager:
@@ -86,7 +86,7 @@ def manager(smollm2):
     from megarl.config.schema import DataConfig, RunConfig
     from megarl.data.prompts import prompt_dataset
     from megarl.rewards.combined import RunReward
-    from megarl.trainer.rollout_manager import RolloutManager
+    from megarl.rollout_driver.manager import RolloutManager
 
     cfg = RunConfig(data=DataConfig(source="reasoning_gym:chain_sum", size=32, prompts_per_step=2))
     return RolloutManager(cfg, [], AutoTokenizer.from_pretrained(str(smollm2)), prompt_dataset(cfg.data),
@@ -193,7 +193,7 @@ def test_interrupted_batches_and_token_versions_round_trip_exactly(manager, tmp_
     versions, seeds, segment counts; one never started) and a finished batch whose samples span
     versions read back exactly; the interrupted one continues each sample from where it stopped
     (prompt + its tokens, the rest of max_tokens, the next segment's seed)."""
-    from megarl.trainer.partial_rollouts import PartialRollout, Slot
+    from megarl.rollout_driver.partial_samples import PartialRollout, Slot
 
     queue = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
     slots = [Slot([1, 2, 3], 40, [7, 8], [-0.1234567890123, -2.5e-9], [2, 3], 2, None),
@@ -231,7 +231,7 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
     from megarl.data.prompts import prompt_dataset
     from megarl.rewards.combined import RunReward
     from megarl.rollout.episodes import Trajectory
-    from megarl.trainer.rollout_manager import RolloutManager
+    from megarl.rollout_driver.manager import RolloutManager
 
     cfg = RunConfig(data=DataConfig(source="reasoning_gym:chain_sum", size=32, prompts_per_step=2),
                     env=EnvConfig(kind="single_turn", prelude=[{"role": "user", "content": "1 + 1?"},
@@ -280,7 +280,7 @@ def test_groups_scored_as_they_came_in_are_the_batchs_scores_in_prompt_order(man
     equal to scoring the whole batch at once, and the decoded texts the reward terms read."""
     from transformers import AutoTokenizer
 
-    from megarl.trainer.partial_rollouts import PartialRollout, Slot
+    from megarl.rollout_driver.partial_samples import PartialRollout, Slot
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     ids = manager.dataset.next_ids()

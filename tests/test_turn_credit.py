@@ -21,8 +21,8 @@ from megarl.algorithms.advantages import gae
 from megarl.algorithms.base import ScoredBatch, token_level_rewards
 from megarl.config.schema import AlgorithmConfig, EnvConfig, RunConfig, ToolConfig
 from megarl.rollout.episodes import Trajectory
-from megarl.trainer.batch import build_batch, turn_reward_tensor
-from megarl.trainer.rollout_manager import Rollout, RolloutManager
+from megarl.rollout_driver.batch import build_batch, turn_reward_tensor
+from megarl.rollout_driver.manager import Rollout, RolloutManager
 
 PROMPT = [1, 2, 3]
 # (turn lengths, observation lengths, turn rewards): two groups of two episodes

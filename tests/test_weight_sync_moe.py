@@ -26,7 +26,7 @@ from test_weight_sync import BUCKET, TOL, _sync_and_verify
 
 from megarl.config.schema import MoeConfig, ParallelConfig
 from megarl.rollout.sampling import SamplingConfig
-from megarl.trainer.batch import build_batch
+from megarl.rollout_driver.batch import build_batch
 from megarl.workers import megatron_model, rl_fns
 from megarl.workers.rank_results import gather_shards
 from megarl.workers.weight_sync import WeightSync
@@ -195,7 +195,7 @@ def test_vllm_routes_are_transformers_routes(moe, fp8_engine):
     next group's requests, already running, keep theirs recorded until they finish."""
     import transformers
 
-    from megarl.rollout.group_streams import groups_as_they_finish, open_group_streams
+    from megarl.rollout_driver.group_streams import groups_as_they_finish, open_group_streams
 
     model, _ = moe
     groups = _generate(fp8_engine)
@@ -305,8 +305,8 @@ def test_multi_turn_episodes_carry_every_tokens_routes(ray_session, smollm2, tmp
 
     from megarl.config.schema import EnvConfig, RunConfig
     from megarl.envs.base import EpisodeItem
-    from megarl.rollout.group_streams import groups_as_they_finish, open_episode_group_streams
     from megarl.rollout.remote import episode_requests, start_engine, submit_episodes, wait_ready
+    from megarl.rollout_driver.group_streams import groups_as_they_finish, open_episode_group_streams
 
     model = build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("r3") / "qwen3_moe_chat", vocab_size=SMOLLM2_VOCAB,
                           max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)

@@ -4,7 +4,7 @@
 while ``serve_groups`` or ``serve_episode_groups`` holds the main thread, driving vLLM's step
 loop: prompts that arrive join the running batch at the next step, and each group goes back
 (a Ray streaming generator) as soon as its last sample or episode finishes
-(``megarl.rollout.group_streams`` is the caller's side). A mixin of ``VLLMEngine``, whose state
+(``megarl.rollout_driver.group_streams`` is the caller's side). A mixin of ``VLLMEngine``, whose state
 and helpers it uses.
 """
 

@@ -2,7 +2,7 @@
 
 Colocated, the device changes hands at the ``device.*`` steps (``megarl.trainer.colocation``);
 disaggregated, those steps do nothing. The rollout service (its own Ray actor,
-``megarl.trainer.rollout_service``) generates and scores the batches; with
+``megarl.rollout_driver.service``) generates and scores the batches; with
 ``trainer.max_staleness: k > 0`` it has the engines generate the next k while this one trains;
 ``trainer.schedule: opportunistic`` has the weight sync interrupt them rather than wait.
 """

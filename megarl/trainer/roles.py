@@ -9,7 +9,7 @@ import torch
 from megarl.algorithms.base import combine
 from megarl.config.schema import AlgorithmConfig, RoleConfig
 from megarl.config.supervised import DpoConfig
-from megarl.trainer.batch import RolloutBatch
+from megarl.rollout_driver.batch import RolloutBatch
 from megarl.workers import checkpoint_fns, megatron_model, offload_fns, rl_fns
 from megarl.workers.rank_batch import RankBatch
 from megarl.workers.rank_results import TokenStats, UpdateResult, gather_shards

@@ -24,13 +24,13 @@ from megarl.config.schema import RunConfig
 from megarl.data.prompts import prompt_dataset
 from megarl.platform import current_platform
 from megarl.rewards.combined import RunReward
-from megarl.trainer.batch import RolloutBatch
+from megarl.rollout_driver.batch import RolloutBatch
+from megarl.rollout_driver.service import RolloutClient, start_rollout_service
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.colocation import Colocation
 from megarl.trainer.evaluation import Evaluator
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import MegatronRole
-from megarl.trainer.rollout_service import RolloutClient, start_rollout_service
 from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
 from megarl.workers.watchdog import Watchdog

@@ -6,7 +6,7 @@ import torch
 
 from megarl.algorithms.base import Estimate
 from megarl.config.schema import RunConfig
-from megarl.trainer.batch import RolloutBatch
+from megarl.rollout_driver.batch import RolloutBatch
 from megarl.workers.rank_batch import RankBatch
 from megarl.workers.rank_results import TokenStats
 

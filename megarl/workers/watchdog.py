@@ -9,7 +9,7 @@ What it watches:
   core, workers), through the engine's ``health()`` (answered from a second thread of the
   engine actor, so a blocked ``generate`` or weight sync does not delay it). An engine that
   does not answer within ``answer_timeout_s`` counts as hung;
-- the rollout service (``megarl.trainer.rollout_service``): its Ray actor's state.
+- the rollout service (``megarl.rollout_driver.service``): its Ray actor's state.
 
 On the first death it trips the run's abort signal with one line naming the role, the rank or
 engine, and the process; every driver-side wait raises it within a second (megarl.utils.abort).

@@ -16,7 +16,7 @@ the same function of its seed whatever the timing, and a resumed run repeats the
 A checkpoint taken after a step holds the finished batches not yet trained on (``save``): with
 the dataset's position, a resumed run trains on exactly the prompts the straight run would.
 
-``trainer.schedule: opportunistic`` (``megarl.trainer.partial_rollouts``): ``drain`` interrupts the
+``trainer.schedule: opportunistic`` (``megarl.rollout_driver.partial_samples``): ``drain`` interrupts the
 batches in flight instead of waiting for them, and ``resume``, once the new weights are in, has
 their unfinished samples continue under them. The bound holds for the oldest token of a batch:
 it was submitted at the same point as in the exact schedule. Timing decides where a sample's
@@ -33,9 +33,9 @@ import torch
 
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
-from megarl.trainer.partial_episodes import PartialEpisodes
-from megarl.trainer.partial_rollouts import PartialRollout, Slot
-from megarl.trainer.rollout_manager import PendingRollout, Rollout, RolloutManager
+from megarl.rollout_driver.manager import PendingRollout, Rollout, RolloutManager
+from megarl.rollout_driver.partial_episodes import PartialEpisodes
+from megarl.rollout_driver.partial_samples import PartialRollout, Slot
 
 BUFFER_FILE = "rollout_buffer.safetensors"
 Partial = PartialRollout | PartialEpisodes  # an opportunistic batch: single-turn samples or episodes

@@ -15,7 +15,7 @@ sends back the groups it cut with their finished episodes, the others dropped or
 that engine (a suspended episode goes on there, in a ``continue_episodes`` call of its own).
 
 A batch's version is its oldest token's, so the staleness bound holds as for single-turn samples
-(``megarl.trainer.partial_rollouts``). Environments' states are not checkpointed: a resumed run
+(``megarl.rollout_driver.partial_samples``). Environments' states are not checkpointed: a resumed run
 starts a checkpointed batch's unfinished episodes over from their reset (its finished ones kept).
 """
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, replace
 
 from megarl.config.schema import RunConfig
 from megarl.rollout.episodes import EpisodeRequest, Trajectory, suspended_name
-from megarl.rollout.group_streams import GroupStreams, groups_as_they_finish, open_episode_group_streams
 from megarl.rollout.remote import submit_episode_requests
 from megarl.rollout.sampling import SamplingConfig
-from megarl.trainer.partial_rollouts import take_answers
+from megarl.rollout_driver.group_streams import GroupStreams, groups_as_they_finish, open_episode_group_streams
+from megarl.rollout_driver.partial_samples import take_answers
 from megarl.utils.shares import contiguous_shares
 
 Home = tuple[int, str]  # where a suspended episode waits: (engine index, the name it is kept under)

@@ -8,7 +8,7 @@ a background thread assembles it and scores it with the reward terms, so that a 
 to train on when its step comes (with a reward model, whose score is the trainer's, or a term that
 needs a main thread, the driver scores the batch). The
 fence (no batch outside the staleness bound) and the order of batches stay the queue's
-(``megarl.trainer.rollout_queue``): the service changes where the work runs, not what it computes,
+(``megarl.rollout_driver.batch_queue``): the service changes where the work runs, not what it computes,
 and a run repeats its metrics bit for bit.
 
 Every call on the service has a timeout, and an error in it reaches the driver as the error the
@@ -28,8 +28,8 @@ from megarl.config.schema import RunConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
 from megarl.rewards.combined import RunReward
-from megarl.trainer.rollout_manager import Rollout, RolloutManager, rollout_turn_rewards, score_rollout
-from megarl.trainer.rollout_queue import RolloutQueue
+from megarl.rollout_driver.batch_queue import RolloutQueue
+from megarl.rollout_driver.manager import Rollout, RolloutManager, rollout_turn_rewards, score_rollout
 from megarl.utils.abort import wait_all
 
 

@@ -26,18 +26,18 @@ from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
 from megarl.rewards.combined import RunReward
 from megarl.rollout.episodes import EpisodeRequest, Trajectory
-from megarl.rollout.group_streams import (
+from megarl.rollout.remote import episode_item, episode_requests, submit_episodes, submit_generation
+from megarl.rollout.sampling import RolloutSample, SamplingConfig
+from megarl.rollout_driver import partial_episodes, partial_samples
+from megarl.rollout_driver.batch import RolloutBatch, build_batch, turn_reward_tensor
+from megarl.rollout_driver.group_streams import (
     GroupStreams,
     groups_as_they_finish,
     open_episode_group_streams,
     open_group_streams,
 )
-from megarl.rollout.remote import episode_item, episode_requests, submit_episodes, submit_generation
-from megarl.rollout.sampling import RolloutSample, SamplingConfig
-from megarl.trainer import partial_episodes, partial_rollouts
-from megarl.trainer.batch import RolloutBatch, build_batch, turn_reward_tensor
-from megarl.trainer.partial_episodes import PartialEpisodes
-from megarl.trainer.partial_rollouts import PartialRollout
+from megarl.rollout_driver.partial_episodes import PartialEpisodes
+from megarl.rollout_driver.partial_samples import PartialRollout
 from megarl.utils.abort import wait_all
 
 # Sampling seeds: one per step, distinct across steps and runs with different seeds.
@@ -151,7 +151,7 @@ class RolloutManager:
             self._submit_episodes(batch, sampling, version, epoch)
             return batch
         prompts = self._tokenize([self.dataset.items[i] for i in ids])
-        batch = partial_rollouts.new_batch(index, ids, prompts, sampling.n, sampling.seed)
+        batch = partial_samples.new_batch(index, ids, prompts, sampling.n, sampling.seed)
         self._submit_samples(batch, sampling, version, epoch)
         return batch
 
@@ -176,16 +176,16 @@ class RolloutManager:
     def _submit_samples(self, batch: PartialRollout, sampling: SamplingConfig, version: int, epoch: int,
                         regenerate: bool = False) -> None:
         if not self._streams_groups:
-            partial_rollouts.submit(batch, self.engines, sampling, version, epoch, regenerate=regenerate)
+            partial_samples.submit(batch, self.engines, sampling, version, epoch, regenerate=regenerate)
             return
-        partial_rollouts.stream(batch, self.engines, sampling, version, epoch, self.cfg.rollout.max_num_seqs,
+        partial_samples.stream(batch, self.engines, sampling, version, epoch, self.cfg.rollout.max_num_seqs,
                                 regenerate=regenerate)
         batch.taking = self._group_takers.submit(self._take_groups, batch)
 
     def _take_groups(self, batch: PartialRollout) -> None:
         """A streamed batch's groups taken in as they finish, each scored by the reward terms then
         (while the engines generate the others), unless a reward model's score is needed."""
-        for g in partial_rollouts.take_groups(batch, self.cfg.trainer.step_timeout_s):
+        for g in partial_samples.take_groups(batch, self.cfg.trainer.step_timeout_s):
             if self._scores_ahead:
                 inputs = self._reward_inputs(batch.prompt_ids[g:g + 1], [[s.sample() for s in batch.group(g)]])
                 batch.scored_groups[g] = (inputs, self.reward.score(inputs))
@@ -196,11 +196,11 @@ class RolloutManager:
             taking, batch.taking = batch.taking, None
             taking.result()  # take_groups waits at most trainer.step_timeout_s
             return
-        home = partial_episodes if isinstance(batch, PartialEpisodes) else partial_rollouts
+        home = partial_episodes if isinstance(batch, PartialEpisodes) else partial_samples
         home.collect(batch, self.cfg.trainer.step_timeout_s)
 
     def interrupt(self, epoch: int) -> None:
-        partial_rollouts.interrupt(self.engines, epoch, self.cfg.trainer.collective_timeout_s)
+        partial_samples.interrupt(self.engines, epoch, self.cfg.trainer.collective_timeout_s)
 
     def assemble_partial(self, batch: PartialRollout | PartialEpisodes) -> Rollout:
         """A finished partial batch as a ``Rollout``; its version is its oldest token's."""
@@ -211,7 +211,7 @@ class RolloutManager:
             rollout.token_versions = partial_episodes.token_versions(batch)
             rollout.interrupted_episodes = batch.interruptions
             return rollout
-        groups, versions = partial_rollouts.samples(batch)
+        groups, versions = partial_samples.samples(batch)
         oldest = min(v for vs in versions for v in vs)
         scored = batch.scored_groups if len(batch.scored_groups) == len(groups) else {}  # all, as they came in
         rollout = self.assemble(batch.index, oldest, batch.prompt_ids, groups, reward_inputs=[

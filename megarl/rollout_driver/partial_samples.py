@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.rollout.group_streams import GroupStreams, groups_as_they_finish, open_segment_group_streams
 from megarl.rollout.sampling import SEGMENT_SEED_STRIDE, RolloutSample, SamplingConfig, SegmentRequest
+from megarl.rollout_driver.group_streams import GroupStreams, groups_as_they_finish, open_segment_group_streams
 from megarl.utils.abort import wait_all
 from megarl.utils.shares import contiguous_shares
 
