@@ -183,7 +183,8 @@ def test_qwen3_moe_experts_are_moe_intermediate_size_wide():
     from megarl.models.arch import family_of
 
     config = family_of("qwen3_moe").transformer_config_kwargs(arch)
-    assert config["qk_layernorm"] and config["moe_ffn_hidden_size"] == 768 and not config["moe_router_pre_softmax"]
+    assert family_of("qwen3_moe").block_options(arch).qk_norm
+    assert config["moe_ffn_hidden_size"] == 768 and not config["moe_router_pre_softmax"]
     raw = arch_from_hf_config({**cfg, "norm_topk_prob": False})
     assert family_of("qwen3_moe").transformer_config_kwargs(raw)["moe_router_pre_softmax"]
     for bad in ({"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}):

@@ -16,7 +16,7 @@ use, so the registry is full before anything can look a family up.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from megarl.models.recipes import Recipe, ShardLayout
 
@@ -33,6 +33,33 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+Activation = Literal["silu", "gelu_tanh"]
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """How a family's transformer layer is built: what ``megarl.models.gpt`` and
+    ``megarl.models.block`` build from, so that no generic code decides them for every family.
+
+    The defaults are the Llama-style layer: SwiGLU, RMSNorm weights applied as they are, two
+    norms per layer, one rotary base, 1/sqrt(head_dim) attention scale."""
+
+    activation: Activation = "silu"  # of the gated MLP: silu (SwiGLU) or tanh-approximated GELU (GeGLU)
+    zero_centred_norms: bool = False  # every RMSNorm weight w is applied as (1 + w), as stored in HF (Gemma)
+    qk_norm: bool = False  # an RMSNorm over each head's query and key (one head_dim weight each)
+    # a norm on the attention's and on the MLP's output too, before each residual add (four per layer)
+    sandwich_norms: bool = False
+    window: int | None = None  # sliding window of W tokens, self included (HF semantics)
+    # with a window: the 0-based layers that attend to everything (None: every layer is windowed)
+    global_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None  # the windowed layers' own rotary base (None: the model's)
+    softmax_scale: float | None = None  # the attention's score scale (None: 1 / sqrt(head_dim))
+
+    def is_windowed(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` attends within the window."""
+        return self.window is not None and (self.global_layers is None or layer not in self.global_layers)
 
 
 @dataclass(frozen=True)
@@ -107,12 +134,21 @@ class Family(Protocol):
         from an HF config; raises ArchError naming the field for anything unsupported."""
         ...
 
+    def block_options(self, arch: ModelArch) -> BlockOptions:
+        """How this family's layer is built (activation, norms, attention pattern)."""
+        ...
+
     def transformer_config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
-        """Extra megatron-core TransformerConfig fields of this family."""
+        """Extra megatron-core TransformerConfig fields of this family (e.g. MoE routing)."""
         ...
 
     def layer_spec_kwargs(self, arch: ModelArch) -> dict[str, Any]:
         """Arguments of ``megarl.platform.gpt_layer_spec`` for this family."""
+        ...
+
+    def finish_model(self, model: Any, arch: ModelArch) -> None:
+        """Changes the built megatron-core GPTModel chunk in place where the layer spec cannot
+        (e.g. Gemma's embedding scale); called once per chunk, before the weights are loaded."""
         ...
 
     def hf_layer_shapes(self, arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -179,3 +215,28 @@ def required(cfg: dict[str, Any], key: str, source: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ArchError(f"{source}: required field {key!r} is missing")
     return cfg[key]
+
+
+def rope_from_config(cfg: dict[str, Any], source: str) -> RopeConfig:
+    """The rotary embedding of an HF config (its ``rope_parameters`` or ``rope_theta`` and
+    ``rope_scaling``); ArchError naming the field for a kind megarl does not reproduce."""
+    # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older files
+    # have "rope_theta" and an optional "rope_scaling".
+    field_name = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    key = "rope_type" if "rope_type" in params else "type"
+    kind = params.get(key, "default") or "default"
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    if kind == "linear":
+        return RopeConfig(theta=float(theta), kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            theta=float(theta), kind="llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    raise ArchError(f"{source}: rope type {kind!r} (field {field_name}.{key}) is not "
+                    "supported; supported: default, linear, llama3")

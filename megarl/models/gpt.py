@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from megarl.config.schema import MoeConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megarl.models.arch import family_of
@@ -71,11 +70,15 @@ def recompute_kwargs(rc: RecomputeConfig | None) -> dict:
 def transformer_config(spec: ModelSpec):
     from megatron.core.transformer import TransformerConfig
 
+    from megarl.models import block  # megatron-core modules: imported where a model is built
+
     arch, par, prec = spec.arch, spec.parallel, spec.precision
     dtype = spec.params_dtype
     platform = current_platform()
     kwargs = recompute_kwargs(spec.recompute)
-    kwargs.update(family_of(arch).transformer_config_kwargs(arch))  # e.g. MoE routing, QK norm
+    # the family's layer (activation, norms, attention pattern), then its own fields (e.g. MoE routing)
+    kwargs.update(block.config_kwargs(family_of(arch).block_options(arch), arch.num_layers, platform.fuses_kernels))
+    kwargs.update(family_of(arch).transformer_config_kwargs(arch))
     if arch.is_moe:
         kwargs.update(moe_kwargs(spec.moe))
     if prec.fp8 is not None:
@@ -88,17 +91,12 @@ def transformer_config(spec: ModelSpec):
         num_attention_heads=arch.num_heads,
         num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
-        normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
-        # sliding window over the W most recent tokens, self included (HF semantics)
-        window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp,
@@ -112,9 +110,8 @@ def transformer_config(spec: ModelSpec):
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        # CUDA only: bias/activation and bias/dropout fuse through torch's JIT, the masked softmax
-        # through CUDA extensions that only some environments have.
-        bias_activation_fusion=platform.fuses_kernels,
+        # CUDA only: bias/activation (``block.config_kwargs``) and bias/dropout fuse through torch's
+        # JIT, the masked softmax through CUDA extensions that only some environments have.
         masked_softmax_fusion=platform.fuses_softmax,
         bias_dropout_fusion=platform.fuses_kernels,
         apply_rope_fusion=False,
@@ -168,13 +165,20 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    from megarl.models import block
+
     config = transformer_config(spec)
+    family = family_of(spec.arch)
+    options = family.block_options(spec.arch)
+    layer_spec = block.layer_spec(
+        options, gpt_layer_spec(**family.layer_spec_kwargs(spec.arch), qk_layernorm=options.qk_norm,
+                                context_parallel=spec.parallel.cp > 1),
+        te=current_platform().layer_spec_kind == "te", moe=spec.arch.is_moe)
     pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(**family_of(spec.arch).layer_spec_kwargs(spec.arch),
-                                              context_parallel=spec.parallel.cp > 1),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.padded_vocab,
         max_sequence_length=spec.arch.max_position_embeddings,
         pre_process=pre,
@@ -185,11 +189,13 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
         vp_stage=vp_stage,
     )
     _rope_inv_freq(model, spec.arch)
+    block.set_local_rope(model, options, spec.arch.head_dim)
     if spec.parallel.cp > 1 and getattr(model, "rotary_pos_emb", None) is not None:
         # The rotary angles of the whole sequence; each micro-batch picks its tokens' own
         # (``rope_at`` with ``context_parallel.CpSplit.positions``), as packed rows do.
         model.rotary_pos_emb.cp_group = None
     _norms_in_params_dtype(model, config.params_dtype)
+    family.finish_model(model, spec.arch)  # e.g. an embedding scale
     if spec.value_head and post:
         model.output_layer = ValueHead(config, spec.arch.hidden_size)
     current_platform().place_module(model)

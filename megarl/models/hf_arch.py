@@ -15,7 +15,15 @@ from typing import Any
 
 # ModelArch and its parts live in megarl.models.arch (with the family registry); they are
 # re-exported here, where most of megarl imports them from.
-from megarl.models.arch import ArchError, ModelArch, RopeConfig, family_names, family_of, positive_count
+from megarl.models.arch import (
+    ArchError,
+    ModelArch,
+    RopeConfig,
+    family_names,
+    family_of,
+    positive_count,
+    rope_from_config,
+)
 
 __all__ = ["SUPPORTED_FAMILIES", "ArchError", "ModelArch", "RopeConfig", "arch_from_hf_config", "arch_from_hf_dir",
            "load_hf_config"]
@@ -43,42 +51,16 @@ def arch_from_hf_dir(model_dir: str | Path) -> ModelArch:
     return arch_from_hf_config(load_hf_config(model_dir), source=str(Path(model_dir) / "config.json"))
 
 
-def _rope_from_config(cfg: dict[str, Any], source: str) -> RopeConfig:
-    # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older files
-    # have "rope_theta" and an optional "rope_scaling".
-    field_name = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    key = "rope_type" if "rope_type" in params else "type"
-    kind = params.get(key, "default") or "default"
-    if kind == "default":
-        return RopeConfig(theta=float(theta))
-    if kind == "linear":
-        return RopeConfig(theta=float(theta), kind="linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        return RopeConfig(
-            theta=float(theta), kind="llama3", factor=float(params["factor"]),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
-        )
-    raise ArchError(f"{source}: rope type {kind!r} (field {field_name}.{key}) is not "
-                    "supported; supported: default, linear, llama3")
-
-
 def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArch:
     """Parses an HF config dict; raises ArchError naming the field for anything unsupported.
 
-    The fields every family shares are read here; the family reads its own (biases, window,
-    experts) through ``Family.read_hf_config``."""
+    The fields every family shares are read here; the family reads its own (activation, biases,
+    window, experts, a rope of its own) through ``Family.read_hf_config``."""
 
     family = cfg.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise ArchError(f"{source}: model_type {family!r} is not supported; "
                         f"supported: {', '.join(SUPPORTED_FAMILIES)}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ArchError(f"{source}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
     if cfg.get("mlp_bias"):
         raise ArchError(f"{source}: mlp_bias=true is not supported")
     hidden = positive_count(cfg, "hidden_size", source)
@@ -105,7 +87,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=own["qkv_bias"],
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        rope=_rope_from_config(cfg, source),
+        rope=own["rope"] if "rope" in own else rope_from_config(cfg, source),
         sliding_window=own.get("sliding_window"),
         num_experts=own.get("num_experts"),
         moe_topk=own.get("moe_topk"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.models.arch import ArchError, ModelArch
+from megarl.models.arch import ArchError, BlockOptions, ModelArch
 from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, swiglu_fc1, swiglu_fc2, whole
 
 _NORMS = {"input_layernorm.weight": "input_layernorm.weight",  # megatron name -> HF name
@@ -51,6 +51,9 @@ class DecoderFamily:
     # -- HF config ------------------------------------------------------------------------------
 
     def read_hf_config(self, cfg: dict[str, Any], source: str) -> dict[str, Any]:
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ArchError(f"{source}: hidden_act {act!r} is not supported ({self.model_type}: SwiGLU with silu only)")
         # attention_bias puts biases on o_proj too, which megatron-core's linear_proj (no bias
         # with add_bias_linear=False) cannot hold.
         if cfg.get("attention_bias"):
@@ -60,11 +63,18 @@ class DecoderFamily:
 
     # -- megatron-core --------------------------------------------------------------------------
 
+    def block_options(self, arch: ModelArch) -> BlockOptions:
+        # the Llama-style layer; a window (Mistral's) applies to every layer
+        return BlockOptions(window=arch.sliding_window)
+
     def transformer_config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
         return {}
 
     def layer_spec_kwargs(self, arch: ModelArch) -> dict[str, Any]:
         return {}
+
+    def finish_model(self, model: Any, arch: ModelArch) -> None:
+        return None
 
     # -- HF checkpoint tensors and megatron-core shards -----------------------------------------
 

@@ -3,7 +3,7 @@
 QK-norm is an RMSNorm over each attention head's query and key (one weight of head_dim
 each, shared by all heads), applied after the projections and before RoPE:
 - HF: ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight``;
-- megatron-core: ``qk_layernorm=True`` in the config and the layer spec, giving
+- megatron-core: ``qk_layernorm=True`` in the config and the layer spec (``BlockOptions.qk_norm``), giving
   ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight``, replicated over
   tensor-parallel ranks (each rank normalises its own heads with the whole weight;
   megatron-core sums the weight's gradients over them when the config says qk_layernorm);
@@ -14,9 +14,10 @@ read for every family by ``megarl.models.hf_arch``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from megarl.models.arch import ModelArch
+from megarl.models.arch import BlockOptions, ModelArch
 from megarl.models.families.base import DecoderFamily
 from megarl.models.families.qwen2 import qwen_sliding_window
 from megarl.models.recipes import Recipe, ShardLayout, whole
@@ -32,11 +33,9 @@ class Qwen3Family(DecoderFamily):
         qwen_sliding_window(cfg, source, "Qwen3")
         return {**super().read_hf_config(cfg, source), "sliding_window": None}
 
-    def transformer_config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
-        return {"qk_layernorm": True}  # also what makes megatron-core reduce the norms' grads over TP
-
-    def layer_spec_kwargs(self, arch: ModelArch) -> dict[str, Any]:
-        return {"qk_layernorm": True}
+    def block_options(self, arch: ModelArch) -> BlockOptions:
+        # qk_norm also makes megatron-core reduce the norms' grads over TP (its qk_layernorm)
+        return replace(super().block_options(arch), qk_norm=True)
 
     def hf_attention_shapes(self, arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
         return {**super().hf_attention_shapes(arch, prefix),
