@@ -22,4 +22,17 @@ $PIP install -c containers/constraints-cpu.txt mkdocs mkdocs-material
 $PIP install -c containers/constraints-cpu.txt --no-deps nvidia-modelopt
 $PIP install -c containers/constraints-cpu.txt ninja numpy "nvidia-ml-py>=12" packaging tqdm "PyYAML>=6.0" \
     "omegaconf>=2.3.0" "pulp<4.0" "pydantic>=2.0" regex rich safetensors scipy
-python -c "import megarl, megatron.core, vllm, modelopt.torch.quantization; print('megarl installed:', megarl.__version__)"
+# verifiers (env.kind: verifiers:<environment>, megarl/envs/adapters/verifiers_env.py) at 0.1.5, the
+# last release whose import needs nothing we lack: 0.1.6 on import prime-sandboxes (a remote sandbox
+# client and its RPC stack), 0.2 on renderers, and 0.4.0 declares openai<3 (we have openai 3). So
+# it goes in without its declared dependencies, then the two its import needs that are not in
+# already (nest-asyncio; openai-agents, whose function_schema builds tool schemas, and its griffe).
+# openai-agents declares websockets<17 for its realtime client, which verifiers does not use.
+$PIP install -c containers/constraints-cpu.txt --no-deps verifiers nest-asyncio openai-agents griffelib
+# OpenEnv (env.kind: openenv:<package>, megarl/envs/adapters/openenv_env.py): openenv-core resolves
+# beside our pins (it brings fastmcp and gradio; gradio takes pillow to 12.x). Its wheel ships no
+# environment: reasoning_gym_env (model_configs/cpu_openenv_sums.yaml) is installed from the OpenEnv
+# repository at a fixed commit, without dependencies (openenv-core and reasoning-gym are in).
+$PIP install -c containers/constraints-cpu.txt openenv-core
+$PIP install --no-deps "openenv-reasoning_gym @ git+https://github.com/meta-pytorch/OpenEnv@685de411e5f77286b0fd94798d42c4467cf8a1bc#subdirectory=envs/reasoning_gym_env"
+python -c "import megarl, megatron.core, vllm, modelopt.torch.quantization, verifiers, reasoning_gym_env; print('megarl installed:', megarl.__version__)"

@@ -387,3 +387,71 @@ def test_an_interruption_drops_the_unfinished_episodes(host, tokenizer):
     out, backend = run_agent(host, tokenizer, check_your_work, [EpisodeItem("a", {"answer": "1"})] * 3,
                              backend=backend, stop=lambda: next(pumps) > 12)
     assert out == [None, None, None] and not backend.open
+
+
+def test_a_verifiers_environment_plays_through_the_endpoint_and_its_rubric_scores(host, tokenizer):
+    # verifiers' own SingleTurnEnv.rollout asks; its own Rubric scores the scripted "42"
+    from megarl.config.schema import EnvConfig
+    from megarl.envs.agent import load_agent
+
+    agent = load_agent(EnvConfig(kind="verifiers:megarl.envs.examples.vf_chain_sum", options={"size": 4}))
+    items = [EpisodeItem("6 + 36 =", {"answer": "42"}), EpisodeItem("6 + 35 =", {"answer": "41"})]
+    (right, wrong), backend = run_agent(host, tokenizer, agent, items)
+    assert (right.reward, wrong.reward) == (1.0, 0.0) and right.error == ""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "6 + 36 ="}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert right.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert right.turns == [tokenizer("The answer is 42.")["input_ids"] + [tokenizer.eos_token_id]]
+
+
+def test_a_token_bound_endpoint_answers_401_without_it(tokenizer):
+    import httpx
+
+    from megarl.rollout.endpoint.agents import EndpointHost
+    from megarl.rollout.episodes import EventLoopThread
+
+    loop = EventLoopThread()
+    guarded = EndpointHost.start(loop, tokenizer, "guarded", token="s3cret")
+    try:
+        url = guarded.endpoint.url + "/v1/chat/completions"
+        talk = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "megarl_session": "nobody"}
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            answers = [http.post(url, json=talk), http.post(url, json=talk, headers={"Authorization": "Bearer s3cre"}),
+                       http.get(guarded.endpoint.url + "/v1/models"),
+                       http.post(url, json=talk, headers={"Authorization": "Bearer s3cret"})]
+    finally:
+        guarded.close()
+        loop.loop.call_soon_threadsafe(loop.loop.stop)
+    assert [a.status_code for a in answers] == [401, 401, 401, 404]  # the last one is past the door
+    assert "bearer token" in answers[0].json()["error"]["message"]
+
+
+def test_an_openenv_environment_plays_through_its_own_server_and_client(host, tokenizer, starts_processes):
+    # reasoning_gym_env's server (started here on loopback) asks and scores; the scripted "7"
+    import zlib
+
+    import reasoning_gym
+
+    from megarl.config.schema import EnvConfig
+    from megarl.envs.adapters import openenv_env
+    from megarl.envs.agent import load_agent
+
+    sums = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    env = EnvConfig(kind="openenv:reasoning_gym_env", max_turns=1,
+                    options={"reset": {"dataset_name": "chain_sum", "dataset_config": sums, "size": 1}})
+
+    def answer(prompt):  # what the environment will ask for this item: its seed is the prompt's hash
+        return reasoning_gym.create_dataset("chain_sum", size=1, seed=zlib.crc32(prompt.encode()), **sums)[0]["answer"]
+
+    right = next(f"q{i}" for i in range(1000) if answer(f"q{i}") == "7")
+    wrong = next(f"q{i}" for i in range(1000) if answer(f"q{i}") != "7")
+    backend = ScriptedBackend(tokenizer("7")["input_ids"], tokenizer.eos_token_id)
+    try:
+        episodes, _ = run_agent(host, tokenizer, load_agent(env), [EpisodeItem(right), EpisodeItem(wrong)], backend)
+    finally:
+        for server in openenv_env._SERVERS.values():
+            server.stop()
+        servers, openenv_env._SERVERS = list(openenv_env._SERVERS.values()), {}
+    assert [t.reward for t in episodes] == [1.0, 0.0] and [t.error for t in episodes] == ["", ""]
+    assert "arithmetic problem" in tokenizer.decode(episodes[0].prompt_ids)
+    assert [s.proc.poll() is not None for s in servers] == [True]  # stopped

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from megarl.config.endpoint import EndpointConfig
+
 # The enumerated settings: each field below is typed with one of these, and the loader refuses
 # any other value in one line naming the field and the choices (megarl.config.loader). The
 # extensible axes (algorithm, environment, reward term, tool, tool-call format, extractor) are
@@ -249,6 +251,8 @@ class RolloutConfig:
     # MoE: vLLM's expert parallelism (enable_expert_parallel): each engine rank holds E / tp whole
     # experts instead of a tp slice of every expert; the weight sync sends each rank its experts
     expert_parallel: bool = False
+    # The OpenAI-compatible endpoint agent episodes talk to, bound for outside callers (off by default)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
 
 
 @dataclass

@@ -8,6 +8,9 @@ name) and returns the episode's reward. Every request it makes is a turn, record
 and trained (``megarl.rollout.endpoint``); ``item`` is the dataset item (its prompt, metadata such
 as the reference answer, the system prompt and ``env.prelude`` as ``context``).
 
+``verifiers:<environment>`` and ``openenv:<environment>`` name environments of those ecosystems,
+played as agents (``megarl.envs.adapters``).
+
 ``package.module:Class`` still names an ``Environment`` class (``megarl.envs.registry``): which of
 the two ``env.kind`` names is told by the object, a class or a coroutine function.
 """
@@ -23,10 +26,33 @@ from megarl.utils.imports import is_import_path, load_object
 SIGNATURE = "async def fn(client, item, **env.options) -> float"
 
 
+ADAPTERS = ("verifiers:", "openenv:")
+
+
+def is_adapter(kind: str) -> bool:
+    """``verifiers:<environment>`` or ``openenv:<environment>``."""
+    return kind.startswith(ADAPTERS)
+
+
+def adapter_agent(env: EnvConfig) -> Callable | None:
+    """The agent of an adapted environment, checked (ValueError, one line); None for other kinds."""
+    if env.kind.startswith("verifiers:"):
+        from megarl.envs.adapters.verifiers_env import verifiers_agent
+
+        return verifiers_agent(env)
+    if env.kind.startswith("openenv:"):
+        from megarl.envs.adapters.openenv_env import openenv_agent
+
+        return openenv_agent(env)
+    return None
+
+
 def load_agent(env: EnvConfig) -> Callable | None:
     """The agent function ``env.kind`` names, checked; None where ``env.kind`` names no agent (a
     built-in kind, or a class). ValueError, one line, where it cannot be one: not importable, not
     a coroutine function, or not callable with (client, item) and ``env.options``."""
+    if (adapter := adapter_agent(env)) is not None:
+        return adapter
     if not is_import_path(env.kind):
         return None
     obj = load_object(env.kind)

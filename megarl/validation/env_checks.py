@@ -30,15 +30,18 @@ def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
 
 
 def env_setting_errors(cfg: RunConfig) -> list[str]:
+    from megarl.config.endpoint import endpoint_errors
+
     env = cfg.env
     if env is None:
-        return []
+        return endpoint_errors(cfg.rollout.endpoint)
+    from megarl.envs.agent import is_adapter
     from megarl.envs.registry import ENV_KINDS
     from megarl.envs.tool_parsers.registry import PARSERS
     from megarl.utils.imports import is_import_path
 
     errors: list[str] = []
-    if is_import_path(env.kind):
+    if is_import_path(env.kind) or is_adapter(env.kind):  # verifiers:/openenv: load as agents
         from megarl.envs.agent import load_agent
         from megarl.envs.registry import custom_environment
 
@@ -51,7 +54,7 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
             errors.append(f"env.kind: {exc}")
     elif env.kind not in ENV_KINDS:
         return [f"env.kind={env.kind!r} must be one of {', '.join(ENV_KINDS)} (or package.module:Class, "
-                "or package.module:async_function)"]
+                "or package.module:async_function, verifiers:<environment>, openenv:<environment>)"]
     elif env.options:
         errors.append(f"env.options is for an environment of your own (env.kind: package.module:Class), "
                       f"not {env.kind!r}")
@@ -73,7 +76,7 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
     if any(term.kind == "model" for term in cfg.rewards):
         errors.append("rewards: a model term cannot score episodes (the environment scores them with the text "
                       "terms); remove it or env")
-    return errors
+    return errors + endpoint_errors(cfg.rollout.endpoint)
 
 
 def _agent_errors(cfg: RunConfig) -> list[str]:

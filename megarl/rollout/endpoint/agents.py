@@ -27,13 +27,14 @@ from megarl.rollout.endpoint.sessions import SessionLimits, SessionSampling
 from megarl.rollout.episodes import EpisodeRequest, EventLoopThread, Trajectory
 
 
-def bound_client(base_url: str, session: str, timeout_s: float) -> Any:
+def bound_client(base_url: str, session: str, timeout_s: float, token: str = "") -> Any:
     """An ``openai.AsyncOpenAI`` client for ``session`` at the endpoint ``base_url`` (no retries:
     a refusal is final; no proxies from the environment: the endpoint is on loopback)."""
     import httpx
     import openai
 
-    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="megarl-local", max_retries=0, timeout=timeout_s,
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=token or "megarl-local", max_retries=0,
+                              timeout=timeout_s,
                               default_headers={SESSION_HEADER: session},
                               http_client=httpx.AsyncClient(trust_env=False, timeout=timeout_s))
 
@@ -48,9 +49,9 @@ class EndpointHost:
 
     @classmethod
     def start(cls, loop: EventLoopThread, tokenizer: Any, model_name: str, tool_parser: str = "hermes",
-              host: str = "127.0.0.1", port: int = 0) -> EndpointHost:
+              host: str = "127.0.0.1", port: int = 0, token: str = "") -> EndpointHost:
         link = EngineLink(loop.loop)
-        endpoint = Endpoint(tokenizer, link.generate, model_name, tool_parser)
+        endpoint = Endpoint(tokenizer, link.generate, model_name, tool_parser, token=token)
         loop.submit(endpoint.start(host, port)).result(timeout=60)
         return cls(loop, endpoint, link)
 
@@ -92,7 +93,7 @@ class AgentEpisodes:
         book = self.host.endpoint.book
         sid = f"{self.call}-{index}"
         session = book.open(sid, self.limits, replace(self.sampling, seed=request.seed))
-        client = bound_client(self.host.endpoint.url, sid, self.timeout_s)
+        client = bound_client(self.host.endpoint.url, sid, self.timeout_s, self.host.endpoint.token)
         reward, error, deadline = None, "", None
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:

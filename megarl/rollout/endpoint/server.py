@@ -5,12 +5,15 @@ A request names its session (``X-Megarl-Session`` header, or the ``megarl_sessio
 field); its prompt ids are built (``prompts``), checked against the session (``Session.admit``),
 generated (``EngineLink.generate``), recorded (``Session.record``) and answered. Any refusal is
 an OpenAI error body with its status: 400 malformed or over a limit, 404 an unknown session,
-410 a session that has ended, 413 a body over ``max_body_bytes``, 503 no engine call running.
+410 a session that has ended, 413 a body over ``max_body_bytes``, 503 no engine call running;
+with a ``token`` (``rollout.endpoint.token``), 401 a request without ``Authorization: Bearer
+<token>``.
 A client that disconnects cancels its handler: its turn is aborted and not recorded.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -35,8 +38,9 @@ Generate = Callable[[list[int], TurnSpec], Awaitable[SampledTurn]]
 
 class Endpoint:
     def __init__(self, tokenizer: Any, generate: Generate, model_name: str = "megarl-policy",
-                 tool_parser: str = "hermes", max_body_bytes: int = 32 * 2**20):
+                 tool_parser: str = "hermes", max_body_bytes: int = 32 * 2**20, token: str = ""):
         self.book = SessionBook()
+        self.token = token
         self.prompts = PromptBuilder(tokenizer, tool_parser)
         self.generate, self.model_name, self.max_body_bytes = generate, model_name, max_body_bytes
         self.url = ""
@@ -46,7 +50,8 @@ class Endpoint:
         """Serves on ``host:port`` (0: a free port); returns the base URL (``.../v1`` is the API)."""
         from aiohttp import web
 
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[web.middleware(_errors_as_json)])
+        app = web.Application(client_max_size=self.max_body_bytes,
+                              middlewares=[web.middleware(_errors_as_json), web.middleware(_bearer(self.token))])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
@@ -127,6 +132,21 @@ def _error(error: ApiError):
     from aiohttp import web
 
     return web.json_response(error.body(), status=error.status)
+
+
+def _bearer(token: str):
+    """The middleware that answers 401 to a request without ``Authorization: Bearer <token>``
+    (none: every request passes)."""
+    expected = f"Bearer {token}".encode()
+
+    async def authorized(request, handler):
+        # compared in constant time: a caller must not learn the token a character at a time
+        if token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <rollout.endpoint.token>)",
+                           kind="authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    return authorized
 
 
 async def _errors_as_json(request, handler):

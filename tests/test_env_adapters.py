@@ -1,0 +1,81 @@
+"""``env.kind: verifiers:<environment>`` / ``openenv:<environment>`` and ``rollout.endpoint``:
+checked before start, one line naming what is wrong. (A verifiers episode through the endpoint:
+tests/test_endpoint.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config.endpoint import EndpointConfig, endpoint_errors, is_loopback
+from megarl.config.schema import EnvConfig, RunConfig
+from megarl.envs.agent import load_agent
+from megarl.validation.env_checks import env_setting_errors
+
+VF = "verifiers:megarl.envs.examples.vf_chain_sum"
+
+
+@pytest.mark.parametrize("kind, options, match", [
+    ("verifiers:", {}, "names no environment"),
+    ("verifiers:no-such-env-here", {}, "no module 'no_such_env_here' is installed"),
+    ("verifiers:megarl.envs.examples.agents", {}, "has no load_environment"),
+    (VF, {"digits": 2}, "env.options do not fit megarl.envs.examples.vf_chain_sum.load_environment"),
+    (VF, {"min_terms": 2, "size": 0}, "load_environment failed"),
+])
+def test_a_verifiers_environment_that_cannot_load_is_refused_in_one_line(kind, options, match):
+    with pytest.raises(ValueError, match=match) as refused:
+        load_agent(EnvConfig(kind=kind, options=options))
+    assert "\n" not in str(refused.value)
+    errors = env_setting_errors(RunConfig(env=EnvConfig(kind=kind, options=options)))
+    assert len(errors) == 1 and errors[0].startswith("env.kind: ") and "\n" not in errors[0]
+
+
+def test_a_verifiers_environment_is_an_agent_checked_as_one():
+    cfg = RunConfig(env=EnvConfig(kind=VF, options={"size": 4}))
+    assert callable(load_agent(cfg.env)) and env_setting_errors(cfg) == []
+    cfg.rollout.granularity = "group"
+    assert ["rollout.granularity=group" in e for e in env_setting_errors(cfg)] == [True]
+
+
+def test_the_outside_endpoint_needs_a_token_off_loopback():
+    assert endpoint_errors(EndpointConfig()) == []  # off
+    assert endpoint_errors(EndpointConfig(port=8100)) == []  # loopback, no token needed
+    assert endpoint_errors(EndpointConfig(port=8100, host="0.0.0.0", token="t")) == []
+    (open_,) = endpoint_errors(EndpointConfig(port=8100, host="0.0.0.0"))
+    assert "rollout.endpoint.host='0.0.0.0' is not loopback: set rollout.endpoint.token" in open_
+    (port,) = endpoint_errors(EndpointConfig(port=70000))
+    assert "rollout.endpoint.port=70000" in port
+    assert is_loopback("::1") and is_loopback("127.0.0.2") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.1") and not is_loopback("example.org")
+    cfg = RunConfig()
+    cfg.rollout.endpoint = EndpointConfig(port=8100, host="10.1.2.3")
+    assert len(env_setting_errors(cfg)) == 1
+
+
+OE = "openenv:reasoning_gym_env"
+
+
+@pytest.mark.parametrize("kind, options, match", [
+    ("openenv:", {}, "names no environment"),
+    ("openenv:no_such_env_here", {}, "cannot import 'no_such_env_here'"),
+    (OE, {"dataset_name": "chain_sum"}, "env.options has dataset_name: an OpenEnv environment takes client"),
+    (OE, {"answer_field": "reply"}, "answer_field must name the ReasoningGymAction field"),
+    (OE, {"prompt_field": "text"}, "prompt_field='text' is not a field of ReasoningGymObservation"),
+    (OE, {"action": "megarl.config.schema:EnvConfig"}, "env.options.action='megarl.config.schema:EnvConfig' is not"),
+    ("openenv:megarl.envs.examples", {}, "name env.options.client \\(the package exports none\\)"),
+])
+def test_an_openenv_environment_that_cannot_load_is_refused_in_one_line(kind, options, match):
+    with pytest.raises(ValueError, match=match) as refused:
+        load_agent(EnvConfig(kind=kind, options=options))
+    assert "\n" not in str(refused.value)
+    errors = env_setting_errors(RunConfig(env=EnvConfig(kind=kind, options=options)))
+    assert len(errors) == 1 and "\n" not in errors[0]
+
+
+def test_an_openenv_environment_is_found_from_its_package():
+    from megarl.envs.adapters.openenv_env import check
+
+    spec = check(EnvConfig(kind=OE))  # nothing started: the server starts with the first episode
+    assert (spec.client.__name__, spec.action.__name__, spec.observation.__name__) == (
+        "ReasoningGymEnv", "ReasoningGymAction", "ReasoningGymObservation")
+    assert spec.environment == "reasoning_gym_env.server.reasoning_gym_environment:ReasoningGymEnvironment"
+    assert (spec.prompt_field, spec.answer_field) == ("question", "answer")
