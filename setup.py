@@ -47,7 +47,8 @@ setup(
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch,core_cu13]==2.11.0", "nvidia-modelopt==0.47.0"],
         # import-linter: the layer contracts in pyproject.toml, checked by tests/test_layers.py
         # trl: the oracle of the SFT / reward-model / DPO losses (tests/test_preference.py)
-        "test": ["pytest", "ruff", "import-linter==2.16", "trl==1.16.0"],
+        # peft: the oracle of megarl's LoRA adapters (tests/test_lora.py); not a runtime dependency
+        "test": ["pytest", "ruff", "import-linter==2.16", "trl==1.16.0", "peft==0.21.0"],
         # `megarl bench e2e` compares against TRL's GRPOTrainer; not part of the CI install
         "bench": ["trl==1.16.0"],
     },

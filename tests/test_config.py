@@ -182,7 +182,7 @@ def test_unknown_override_key_names_the_dotted_key_and_suggests():
 
 def test_unknown_key_lists_known_keys_when_nothing_is_close():
     with pytest.raises(ConfigError, match=r"unknown key 'actor\.zzzz'; known keys here: "
-                                          r"model, parallel, precision, optim, recompute, moe, micro_batch_size, "
+                                          r"model, parallel, precision, optim, recompute, moe, lora, micro_batch_size, "
                                           r"max_tokens_per_microbatch, pack_sequences, share_prompt, "
                                           r"colocate_with, cpus_per_rank, gpus_per_rank$"):
         load_config(RunConfig, None, ["actor.zzzz=1"])

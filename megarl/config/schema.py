@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from megarl.config.lora import LoraConfig
+
 from megarl.config.endpoint import EndpointConfig
 
 # The enumerated settings: each field below is typed with one of these, and the loader refuses
@@ -185,6 +187,7 @@ class RoleConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)  # trained roles only
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # trained roles only
     moe: MoeConfig = field(default_factory=MoeConfig)  # trained mixture-of-experts roles only
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the actor only: adapters, the base frozen
     micro_batch_size: int = 8  # sequences per forward/backward micro-batch
     # Micro-batches by token budget: each holds at most this many token positions (rows x
     # longest sequence, padding included), cut to its longest sequence, so short sequences

@@ -12,6 +12,7 @@ from megarl.models.hf_arch import ModelArch
 from megarl.platform import Platform, current_platform
 from megarl.rollout.backends import backend_errors
 from megarl.validation.eval_checks import eval_errors
+from megarl.validation.lora_checks import lora_errors
 from megarl.validation.memory import memory_saver_errors
 from megarl.validation.ranges import range_errors
 from megarl.validation.rl_checks import data_errors, rl_errors
@@ -41,6 +42,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         archs[name] = arch
         errors += batching_errors(cfg, name, arch, platform)
         errors += memory_saver_errors(arch, role, name)  # recompute, optimizer CPU offload
+        errors += lora_errors(name, role, arch)
         if role.model.vocab_pad_multiple < 1:
             errors.append(f"{name}.model.vocab_pad_multiple must be >= 1")
     if "actor" in archs and not errors:  # the RL checks assume sane layouts (dp > 0)
