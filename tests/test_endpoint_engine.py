@@ -120,3 +120,50 @@ def test_the_engines_endpoint_refuses_malformed_requests_and_unknown_sessions(en
     assert unknown.status_code == 404 and "no session 'nobody'" in unknown.json()["error"]["message"]
     assert malformed.status_code == 400 and "messages must be a non-empty list" in malformed.json()["error"]["message"]
     assert other.status_code == 404 and other.json()["error"]["code"] == "megarl_unknown_session"
+
+
+def _run_env(engine, env: EnvConfig, items):
+    import ray
+
+    from megarl.rollout.remote import submit_episodes
+
+    cfg = RunConfig(env=env)
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len = 32, 1024
+    sampling = SamplingConfig(temperature=1.0, max_tokens=32, n=2, stop_token_ids=[2], seed=11)
+    return [t for part in ray.get(submit_episodes([engine], items, sampling, cfg), timeout=600) for t in part]
+
+
+def test_a_verifiers_environment_trains_its_own_rubrics_score_of_what_the_engine_sampled(engine, tokenizer):
+    from megarl.rewards.extract import last_number
+
+    env = EnvConfig(kind="verifiers:megarl.envs.examples.vf_chain_sum", options={"size": 4}, max_turns=1,
+                    max_episode_tokens=32, agent_timeout_s=300)
+    items = [EpisodeItem("What is 3 + 4? Give only the number.", {"answer": "7"}),
+             EpisodeItem("What is 5 + 1? Give only the number.", {"answer": "6"})]
+    episodes = _run_env(engine, env, items)
+    assert len(episodes) == 4 and all(t.error == "" and len(t.turns) == 1 for t in episodes)
+    for t, item in zip(episodes, [items[0], items[0], items[1], items[1]], strict=True):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        assert t.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        reply = tokenizer.decode(t.turns[0], skip_special_tokens=True)
+        assert t.reward == float(last_number(reply) == item.metadata["answer"])  # the rubric's, by hand
+
+
+def test_an_openenv_environment_scores_what_the_engine_sampled(engine, tokenizer):
+    import zlib
+
+    import reasoning_gym
+
+    sums = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    env = EnvConfig(kind="openenv:reasoning_gym_env", max_turns=1, max_episode_tokens=32, agent_timeout_s=300,
+                    options={"reset": {"dataset_name": "chain_sum", "dataset_config": sums, "size": 1}})
+    items = [EpisodeItem("a"), EpisodeItem("b")]
+    episodes = _run_env(engine, env, items)  # its server: a child of the engine's actor, going with it
+    assert len(episodes) == 4 and all(t.error == "" and len(t.turns) == 1 for t in episodes)
+    for t, item in zip(episodes, [items[0], items[0], items[1], items[1]], strict=True):
+        entry = reasoning_gym.create_dataset("chain_sum", size=1, seed=zlib.crc32(item.prompt.encode()), **sums)[0]
+        assert entry["question"] in tokenizer.decode(t.prompt_ids)
+        reply = tokenizer.decode(t.turns[0], skip_special_tokens=True)
+        assert t.reward == reasoning_gym.create_dataset("chain_sum", size=1, seed=1, **sums).score_answer(
+            reply, entry)
