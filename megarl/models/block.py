@@ -3,7 +3,7 @@
 The platform's layer spec (``megarl.platform.gpt_layer_spec``) is the Llama-style layer. Where
 a family's options differ, megatron-core's own modules are swapped or subclassed inside that
 spec, so the layer, its attention and its MLP stay megatron-core's:
-- zero-centred norms: every RMSNorm of the layer (input, pre-MLP, q/k, sandwich) is
+- zero-centred norms: every RMSNorm of the layer (input, pre-MLP, q/k, sandwich) and the final one is
   ``RMSNorm1p``, whose stored weight w is applied as (1 + w), in fp32 and cast back, as HF's
   Gemma norms compute it (the local spec's torch norms refuse megatron's zero-centred gamma);
 - sandwich norms: ``linear_proj`` and the MLP's ``linear_fc2`` normalise their own output
@@ -117,6 +117,15 @@ def set_local_rope(model, options: BlockOptions, head_dim: int) -> None:
         if isinstance(module, LocalRopeSelfAttention):
             module.first_inv_freq = float(rope.inv_freq[0])
             module.local_inv_freq = local.to(rope.inv_freq.device)
+
+
+def finish_block(model, options: BlockOptions) -> None:
+    """What a layer spec does not reach: the decoder's final norm (megatron-core builds it from its
+    own default) is zero-centred too where the layers' are; call before any weight is loaded."""
+    final = getattr(getattr(model, "decoder", None), "final_layernorm", None)  # last pipeline stage only
+    if options.zero_centred_norms and final is not None:
+        config = model.config
+        model.decoder.final_layernorm = RMSNorm1p(config, config.hidden_size, config.layernorm_epsilon)
 
 
 def layer_spec(options: BlockOptions, spec: ModuleSpec, te: bool, moe: bool) -> ModuleSpec:

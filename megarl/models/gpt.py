@@ -190,6 +190,7 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
     )
     _rope_inv_freq(model, spec.arch)
     block.set_local_rope(model, options, spec.arch.head_dim)
+    block.finish_block(model, options)
     if spec.parallel.cp > 1 and getattr(model, "rotary_pos_emb", None) is not None:
         # The rotary angles of the whole sequence; each micro-batch picks its tokens' own
         # (``rope_at`` with ``context_parallel.CpSplit.positions``), as packed rows do.
