@@ -11,6 +11,7 @@ roles, kill -9 and resume at k = 1) is in tests/test_trainer.py.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megarl.rollout.sampling import RolloutSample
 from megarl.rollout_driver.batch_queue import RolloutQueue, StaleRollout
@@ -142,6 +143,20 @@ def test_a_checkpoint_without_a_buffer_resumes_with_an_empty_queue(manager, tmp_
     queue = RolloutQueue(manager, max_staleness=1, last_step=10)
     queue.load(tmp_path, {"next_index": 3})
     assert queue.batches == {} and queue.next_index == 3
+
+
+def test_a_buffer_in_the_older_format_is_refused_in_one_line(manager, tmp_path):
+    """The three entry kinds of before became one format; a buffer written before is refused by
+    name, not read wrong."""
+    from safetensors.torch import save_file
+
+    from megarl.rollout_driver.buffer import BUFFER_FILE
+
+    save_file({"3.prompt_tokens": torch.tensor([1])}, str(tmp_path / BUFFER_FILE),
+              metadata={"batches": '[{"index": 3, "partial": true}]'})
+    with pytest.raises(ValueError, match=r"rollout_buffer.safetensors: a rollout buffer in an older format") as got:
+        RolloutQueue(manager, max_staleness=1, last_step=10).load(tmp_path, {"next_index": 4})
+    assert "\n" not in str(got.value)
 
 
 def test_save_refuses_batches_in_flight(manager, tmp_path):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.rewards.base import RewardInput
+from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
 from megarl.workers.rank_batch import RankBatch, placeholder_routes
 
@@ -44,6 +46,34 @@ class RolloutBatch:
         """What the ranks' scoring passes read."""
         return RankBatch(tokens=self.tokens, mask=self.mask, seq_lens=self.seq_lens, temperature=self.temperature,
                          routes=self.routes)
+
+
+@dataclass
+class Rollout:
+    """One batch of samples: what the roles score and train on, the texts rewards read, and
+    where it came from (which prompts, which weights)."""
+
+    batch: RolloutBatch
+    reward_inputs: list[RewardInput]
+    index: int  # the batch's number in the run: step ``index`` trains on it
+    version: int  # the policy weight version that generated every token (0: the initial weights)
+    prompt_ids: list[int]  # the prompts' indices in the dataset, for accounting across resumes
+    groups: list[list[RolloutSample]]  # the engines' samples, as a checkpoint stores them
+    # Multi-turn runs (``env``): each sample's episode, in sample order; its environment rewards
+    # are the samples' scores. None: single-turn, scored by the reward terms.
+    episodes: list[Trajectory] | None = None
+    # Partial rollouts (trainer.schedule: opportunistic): each sample's per-token weight versions
+    # (``version`` is the oldest of them). None: every token is ``version``'s.
+    token_versions: list[list[int]] | None = None
+    # The reward terms' scores [B] and each term's values, computed as the batch came in (the
+    # rollout service scores ahead of the trainer); None when a reward model's score is needed.
+    scored: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+    # rollout.granularity=group: seconds from the batch's submission to the first and to the last
+    # group's arrival (how much of generation a group's scoring could overlap); None: whole batches
+    group_arrival_s: tuple[float, float] | None = None
+    # Episodes under the opportunistic schedule: how many times an interruption cut one (each then
+    # started over, or was continued, under newer weights: rollout.partial); None otherwise
+    interrupted_episodes: int | None = None
 
 
 def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1,

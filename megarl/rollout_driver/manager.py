@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from megarl.algorithms import overlong_penalty
 from megarl.config.schema import RunConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
@@ -29,7 +28,7 @@ from megarl.rollout.episodes import EpisodeRequest, Trajectory
 from megarl.rollout.remote import episode_item, episode_requests, submit_episodes, submit_generation
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.rollout_driver import partial_episodes, partial_samples
-from megarl.rollout_driver.batch import RolloutBatch, build_batch, turn_reward_tensor
+from megarl.rollout_driver.batch import Rollout, build_batch
 from megarl.rollout_driver.group_streams import (
     GroupStreams,
     groups_as_they_finish,
@@ -38,38 +37,11 @@ from megarl.rollout_driver.group_streams import (
 )
 from megarl.rollout_driver.partial_episodes import PartialEpisodes
 from megarl.rollout_driver.partial_samples import PartialRollout
+from megarl.rollout_driver.scoring import Scores, Scoring
 from megarl.utils.abort import wait_all
 
 # Sampling seeds: one per step, distinct across steps and runs with different seeds.
 _SEED_STRIDE = 100_003
-
-
-@dataclass
-class Rollout:
-    """One batch of samples: what the roles score and train on, the texts rewards read, and
-    where it came from (which prompts, which weights)."""
-
-    batch: RolloutBatch
-    reward_inputs: list[RewardInput]
-    index: int  # the batch's number in the run: step ``index`` trains on it
-    version: int  # the policy weight version that generated every token (0: the initial weights)
-    prompt_ids: list[int]  # the prompts' indices in the dataset, for accounting across resumes
-    groups: list[list[RolloutSample]]  # the engines' samples, as a checkpoint stores them
-    # Multi-turn runs (``env``): each sample's episode, in sample order; its environment rewards
-    # are the samples' scores. None: single-turn, scored by the reward terms.
-    episodes: list[Trajectory] | None = None
-    # Partial rollouts (trainer.schedule: opportunistic): each sample's per-token weight versions
-    # (``version`` is the oldest of them). None: every token is ``version``'s.
-    token_versions: list[list[int]] | None = None
-    # The reward terms' scores [B] and each term's values, computed as the batch came in (the
-    # rollout service scores ahead of the trainer); None when a reward model's score is needed.
-    scored: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
-    # rollout.granularity=group: seconds from the batch's submission to the first and to the last
-    # group's arrival (how much of generation a group's scoring could overlap); None: whole batches
-    group_arrival_s: tuple[float, float] | None = None
-    # Episodes under the opportunistic schedule: how many times an interruption cut one (each then
-    # started over, or was continued, under newer weights: rollout.partial); None otherwise
-    interrupted_episodes: int | None = None
 
 
 @dataclass
@@ -90,6 +62,7 @@ class RolloutManager:
                  reward: RunReward):
         self.cfg, self.engines, self.tokenizer = cfg, engines, tokenizer
         self.dataset, self.reward = dataset, reward
+        self.scoring = Scoring(cfg, reward)  # every score of a batch comes from it
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._ahead: ThreadPoolExecutor | None = None
         # The Rust tokenizer refuses a call from a second thread while one is in it (the
@@ -111,11 +84,6 @@ class RolloutManager:
     @property
     def needs_reward_model(self) -> bool:
         return self.reward.needs_model
-
-    @property
-    def _scores_ahead(self) -> bool:
-        """Whether a batch is scored as it comes in: by the reward terms alone, off the main thread."""
-        return not self.reward.needs_model and not self.reward.needs_main_thread
 
     def submit(self, index: int, version: int) -> PendingRollout:
         """Draws batch ``index``'s prompts and asks for ``rollout.n`` responses to each, the prompts
@@ -186,9 +154,9 @@ class RolloutManager:
         """A streamed batch's groups taken in as they finish, each scored by the reward terms then
         (while the engines generate the others), unless a reward model's score is needed."""
         for g in partial_samples.take_groups(batch, self.cfg.trainer.step_timeout_s):
-            if self._scores_ahead:
+            if self.scoring.ahead:
                 inputs = self._reward_inputs(batch.prompt_ids[g:g + 1], [[s.sample() for s in batch.group(g)]])
-                batch.scored_groups[g] = (inputs, self.reward.score(inputs))
+                batch.scored_groups[g] = (inputs, self.scoring.group(inputs))
 
     def collect_partial(self, batch: PartialRollout | PartialEpisodes) -> None:
         """Waits for a partial batch's generation in flight (all of it, or up to an interruption)."""
@@ -218,8 +186,7 @@ class RolloutManager:
             x for g in sorted(scored) for x in scored[g][0]] if scored else None)
         rollout.token_versions = versions
         if scored:
-            rollout.scored = score_rollout(self.cfg, self.reward, rollout,
-                                           terms=_in_order([(g, terms) for g, (_, terms) in scored.items()]))
+            self.scoring.ahead_of_trainer(rollout, {g: terms for g, (_, terms) in scored.items()})
         return rollout
 
     def episode_batch(self, index: int, prompt_ids: list[int], group_size: int) -> PartialEpisodes:
@@ -240,8 +207,7 @@ class RolloutManager:
         if pending.group_streams is not None:
             return self._collect_groups(pending)
         rollout = self._collect(pending)
-        if self._scores_ahead:
-            rollout.scored = self.score(rollout)
+        self.scoring.ahead_of_trainer(rollout)
         return rollout
 
     def _collect_groups(self, pending: PendingRollout) -> Rollout:
@@ -251,7 +217,7 @@ class RolloutManager:
         groups: list[list[RolloutSample] | None] = [None] * count
         trajectories: list[list[Trajectory] | None] = [None] * count  # multi-turn episodes: as they came
         inputs: list[list[RewardInput] | None] = [None] * count
-        terms: list[tuple[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]] = []
+        terms: dict[int, Scores] = {}
         arrivals = []
         for i, samples in groups_as_they_finish(pending.group_streams, self.cfg.trainer.step_timeout_s):
             arrivals.append(time.monotonic() - pending.submitted_at)
@@ -259,14 +225,13 @@ class RolloutManager:
                 trajectories[i], samples = samples, [t.sample() for t in samples]
             groups[i] = samples
             inputs[i] = self._reward_inputs(pending.prompt_ids[i:i + 1], [samples])
-            if self._scores_ahead and self.cfg.env is None:
-                terms.append((i, self.reward.score(inputs[i])))
+            if (scored := self.scoring.group(inputs[i])) is not None:
+                terms[i] = scored
         episodes = None if self.cfg.env is None else [t for group in trajectories for t in group]
         rollout = self.assemble(pending.index, pending.version, pending.prompt_ids, groups, episodes,
                                 reward_inputs=[x for group in inputs for x in group])
         rollout.group_arrival_s = (arrivals[0], arrivals[-1])
-        if self._scores_ahead:  # the groups' scores, in prompt order, then the penalties
-            rollout.scored = score_rollout(self.cfg, self.reward, rollout, terms=_in_order(terms) if terms else None)
+        self.scoring.ahead_of_trainer(rollout, terms)  # the groups' scores, in prompt order, then the penalties
         return rollout
 
     def _collect(self, pending: PendingRollout) -> Rollout:
@@ -296,12 +261,11 @@ class RolloutManager:
                                 response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
                     for pid, group in zip(prompt_ids, groups, strict=True) for s in group]
 
-    def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return score_rollout(self.cfg, self.reward, rollout, model_scores)
+    def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None) -> Scores:
+        return self.scoring.batch(rollout, model_scores)
 
     def turn_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
-        return rollout_turn_rewards(self.cfg, rollout, scores)
+        return self.scoring.turn_rewards(rollout, scores)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the prompt stream stands: a resumed run serves exactly the prompts that came next."""
@@ -319,46 +283,3 @@ class RolloutManager:
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
                               n=r.n, stop_token_ids=[self.tokenizer.eos_token_id],
                               seed=self.cfg.seed * _SEED_STRIDE + index, weight_version=version)
-
-
-def score_rollout(cfg: RunConfig, reward: RunReward, rollout: Rollout, model_scores: torch.Tensor | None = None,
-                  terms: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
-                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The reward of every sample [B], and each term's values for the logs (the reward terms' own,
-    when the batch was scored as it came in and no reward model's score is given). ``terms``: the
-    reward terms' sum and values, computed already (group by group as the groups came in)."""
-    if rollout.scored is not None and model_scores is None:
-        return rollout.scored
-    if rollout.episodes is not None:  # the environments scored their episodes
-        scores = torch.tensor([t.reward for t in rollout.episodes], dtype=torch.float32)
-        parts = {"reward/env": scores}
-    elif terms is not None:
-        scores, parts = terms
-    else:
-        scores, parts = reward.score(rollout.reward_inputs, model_scores)
-    algo = cfg.algorithm
-    if algo.overlong_buffer > 0:
-        penalty = overlong_penalty(rollout.batch.response_lens, cfg.rollout.max_tokens,
-                                   algo.overlong_buffer, algo.overlong_penalty)
-        scores = scores + penalty
-        parts["reward/overlong_penalty"] = penalty
-    return scores, parts
-
-
-def rollout_turn_rewards(cfg: RunConfig, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
-    """Each turn's reward on its last token (``env.credit: turn``), rows summing to ``scores``;
-    None when every policy token of an episode is credited with the whole episode."""
-    if rollout.episodes is None or cfg.env is None or cfg.env.credit != "turn":
-        return None
-    episodes = rollout.episodes
-    return turn_reward_tensor([t.turns for t in episodes], [t.observations for t in episodes],
-                              [t.turn_rewards for t in episodes], rollout.batch, scores)
-
-
-def _in_order(terms: list[tuple[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]]
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Groups' (sum, values per term) scored in arrival order, as one batch's in prompt order."""
-    ordered = [score for _, score in sorted(terms, key=lambda t: t[0])]
-    return (torch.cat([total for total, _ in ordered]),
-            {name: torch.cat([parts[name] for _, parts in ordered]) for name in ordered[0][1]})
-

@@ -28,8 +28,10 @@ from megarl.config.schema import RunConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.prompts import PromptItem
 from megarl.rewards.combined import RunReward
+from megarl.rollout_driver.batch import Rollout
 from megarl.rollout_driver.batch_queue import RolloutQueue
-from megarl.rollout_driver.manager import Rollout, RolloutManager, rollout_turn_rewards, score_rollout
+from megarl.rollout_driver.manager import RolloutManager
+from megarl.rollout_driver.scoring import Scores, Scoring
 from megarl.utils.abort import wait_all
 
 
@@ -73,6 +75,7 @@ class RolloutClient:
 
     def __init__(self, actor: Any, cfg: RunConfig, reward: RunReward):
         self.actor, self.cfg, self.reward = actor, cfg, reward
+        self.scoring = Scoring(cfg, reward)  # what needs the trainer's reward model, scored here
         tr = cfg.trainer
         # a take waits for generation (the service's own wait is step_timeout_s); the rest are quick
         self.generation_timeout_s = tr.step_timeout_s + tr.collective_timeout_s
@@ -106,12 +109,11 @@ class RolloutClient:
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         self._call("load", str(folder), state, timeout_s=self.call_timeout_s)
 
-    def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return score_rollout(self.cfg, self.reward, rollout, model_scores)
+    def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None) -> Scores:
+        return self.scoring.batch(rollout, model_scores)
 
     def turn_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
-        return rollout_turn_rewards(self.cfg, rollout, scores)
+        return self.scoring.turn_rewards(rollout, scores)
 
     def stop(self) -> None:
         import ray

@@ -9,8 +9,7 @@ from megarl.algorithms.base import Estimate
 from megarl.algorithms.off_policy import mismatch_metrics, off_policy_correction
 from megarl.config.schema import AlgorithmConfig
 from megarl.rollout.episodes import episode_metrics
-from megarl.rollout_driver.batch import RolloutBatch
-from megarl.rollout_driver.manager import Rollout
+from megarl.rollout_driver.batch import Rollout, RolloutBatch
 from megarl.workers.rank_results import TokenStats
 
 
