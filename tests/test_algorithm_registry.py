@@ -38,7 +38,8 @@ def run_config(model_dir: str, **algorithm) -> RunConfig:
     cfg = AlgorithmConfig(**algorithm)
     role = RoleConfig(model=ModelConfig(path=model_dir))
     critic = RoleConfig(model=ModelConfig(path=model_dir)) if get_algorithm(cfg.name).needs_critic else None
-    return RunConfig(actor=role, critic=critic, algorithm=cfg)
+    teacher = RoleConfig(model=ModelConfig(path=model_dir)) if get_algorithm(cfg.name).needs_teacher(cfg) else None
+    return RunConfig(actor=role, critic=critic, teacher=teacher, algorithm=cfg)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

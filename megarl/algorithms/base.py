@@ -25,6 +25,7 @@ import torch
 
 from megarl.algorithms import losses
 from megarl.algorithms.advantages import broadcast, token_rewards, turn_advantages
+from megarl.algorithms.distill import reverse_kl_advantages
 from megarl.algorithms.filters import dynamic_sampling_mask
 from megarl.algorithms.kl import kl_reward_penalty
 from megarl.algorithms.masked import aggregate
@@ -74,6 +75,7 @@ class ScoredBatch:
     # Multi-turn episodes with ``env.credit: turn``: each turn's reward on its last policy token,
     # any rest of the score (the overlong penalty, say) on the episode's last; rows sum to ``scores``.
     turn_rewards: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None  # the teacher role's (on-policy distillation)
 
 
 @dataclass
@@ -169,10 +171,15 @@ class Algorithm:
         """Whether the step scores the rollout under the actor before updating it. Not when the update
         is one optimizer step over the whole batch (on-policy: its own forward is the behaviour
         policy's) unless the reward needs the actor-reference KL first."""
-        return cfg.ppo_epochs > 1 or cfg.minibatches > 1 or cfg.kl_in_reward
+        return cfg.ppo_epochs > 1 or cfg.minibatches > 1 or cfg.kl_in_reward or self.needs_teacher(cfg)
 
     def needs_reference(self, cfg: AlgorithmConfig) -> bool:
         return cfg.kl_coef > 0
+
+    def needs_teacher(self, cfg: AlgorithmConfig) -> bool:
+        """Whether the teacher role scores the samples (on-policy distillation, ``megarl.algorithms.opd``);
+        its advantage term needs the student's log-probs before the update too."""
+        return bool(cfg.teacher_kl_coef)
 
     # --- validation
 
@@ -187,6 +194,14 @@ class Algorithm:
                           f"n >= {self.min_group_size}")
         if self.needs_reference(algo) and run.reference is None:
             errors.append(f"algorithm.kl_coef={algo.kl_coef} needs a reference role")
+        if self.needs_teacher(algo) and run.teacher is None:
+            errors.append(f"algorithm.teacher_kl_coef={algo.teacher_kl_coef} needs a teacher role (teacher.model.path)")
+        elif run.teacher is not None and not self.needs_teacher(algo):
+            errors.append(f"teacher is set but algorithm.teacher_kl_coef={algo.teacher_kl_coef}: nothing would read "
+                          "its log-probs (algorithm.name: opd, or teacher_kl_coef > 0 beside a task reward)")
+        if algo.teacher_kl_coef is not None and algo.teacher_kl_coef < 0:
+            errors.append(f"algorithm.teacher_kl_coef={algo.teacher_kl_coef} must be >= 0 (a negative weight "
+                          "would push the student away from the teacher)")
         if run.env is not None and run.env.credit == "turn" and not self.turn_credit:
             errors.append(f"env.credit='turn': {self.name} weighs whole sequences by one advantage; use "
                           "env.credit: episode, or another algorithm")
@@ -210,11 +225,19 @@ class Algorithm:
 
     def estimate(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
         """Dynamic sampling (groups with one reward teach nothing: their tokens leave the mask),
-        then :meth:`advantages`."""
+        then :meth:`advantages`, plus the teacher's per-token reverse KL where ``teacher_kl_coef``
+        weighs one in (:func:`~megarl.algorithms.distill.reverse_kl_advantages`)."""
         if cfg.dynamic_sampling:
             keep, _ = dynamic_sampling_mask(batch.scores, batch.group_size)
             batch = replace(batch, mask=batch.mask * keep.to(batch.mask.dtype).unsqueeze(1))
-        return self.advantages(cfg, batch)
+        est = self.advantages(cfg, batch)
+        if not self.needs_teacher(cfg):
+            return est
+        if batch.teacher_logprobs is None or batch.old_logprobs is None:
+            raise ValueError(f"algorithm.teacher_kl_coef={cfg.teacher_kl_coef} needs the teacher's and the actor's "
+                             "log-probs of the samples")
+        term = reverse_kl_advantages(batch.old_logprobs, batch.teacher_logprobs, est.mask, cfg.teacher_kl_coef)
+        return replace(est, advantages=est.advantages + term.to(est.advantages.dtype))
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
         raise NotImplementedError

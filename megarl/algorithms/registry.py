@@ -13,6 +13,7 @@ from megarl.algorithms.dr_grpo import DrGRPO
 from megarl.algorithms.entropy_cov import ClipCov, KLCov
 from megarl.algorithms.grpo import GRPO
 from megarl.algorithms.gspo import GSPO
+from megarl.algorithms.opd import OPD
 from megarl.algorithms.ppo import PPO
 from megarl.algorithms.reinforce_pp import ReinforcePP
 from megarl.algorithms.rloo import RLOO
@@ -30,6 +31,7 @@ _REGISTERED: tuple[Algorithm, ...] = (
     SAPO(),
     ClipCov(),
     KLCov(),
+    OPD(),
 )
 _BY_NAME = {algorithm.name: algorithm for algorithm in _REGISTERED}
 ALGORITHMS: tuple[str, ...] = tuple(_BY_NAME)

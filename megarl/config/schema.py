@@ -11,9 +11,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from megarl.config.lora import LoraConfig
-
+from megarl.config.algorithm import (  # noqa: F401 - re-exported: the algorithm section lives there
+    ALGORITHM_DEFAULTS,
+    AggregationMode,
+    AlgorithmConfig,
+    KLEstimator,
+    OffPolicyCorrection,
+)
 from megarl.config.endpoint import EndpointConfig
+from megarl.config.lora import LoraConfig
 
 # The enumerated settings: each field below is typed with one of these, and the loader refuses
 # any other value in one line naming the field and the choices (megarl.config.loader). The
@@ -30,9 +36,6 @@ RolloutWeights = Literal["model", "fp8", "fp8_emulated"]
 PartialSamples = Literal["continue", "regenerate"]
 RolloutGranularity = Literal["batch", "group"]
 Credit = Literal["episode", "turn"]
-KLEstimator = Literal["k1", "k2", "k3"]
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-OffPolicyCorrection = Literal["none", "tis", "mis", "icepop", "token_mask", "seq_tis"]
 Resume = Literal["auto", "never"]
 VerifySync = Literal["first", "every", "never"]
 Schedule = Literal["exact", "opportunistic"]
@@ -373,70 +376,6 @@ class EnvConfig:
     max_concurrency: int = 16
 
 
-# Settings whose default depends on ``algorithm.name``: a field left unset (None) takes the value
-# of its algorithm's row, else of the "*" row, when the config is built (so set ``name`` then, in
-# the recipe or an override, not by assigning it later). Each algorithm's module says why.
-ALGORITHM_DEFAULTS: dict[str, dict[str, str | float | bool | None]] = {
-    "*": {"clip_low": 0.2, "clip_high": 0.2, "aggregation": "token-mean", "norm_std": True},
-    # Dr. GRPO (Liu et al. 2025): no division by the group's std, no per-sequence length normalisation
-    "dr_grpo": {"aggregation": "seq-mean-token-sum", "norm_std": False},
-    # GSPO (Zheng et al. 2025): a sequence ratio moves far less than a token's; loss averaged per sequence
-    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"},
-    # CISPO (MiniMax-M1): no lower bound on the importance weight (None), DAPO's clip-higher as its upper one
-    "cispo": {"clip_low": None, "clip_high": 0.28},
-    # SAPO (Gao et al. 2025): the paper's per-sequence mean of token losses
-    "sapo": {"aggregation": "seq-mean-token-mean"},
-}
-
-
-@dataclass
-class AlgorithmConfig:
-    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | ppo | gspo | cispo | sapo | clip_cov | kl_cov
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    kl_in_reward: bool = False  # else a KL term in the policy loss
-    kl_target: float | None = None  # adapt kl_coef toward this KL per token (megarl.algorithms.kl_control); None: fixed
-    kl_horizon: int = 10000  # kl_target: a step moves kl_coef by at most 0.2 x its samples / kl_horizon of itself
-    # The policy ratio's clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
-    # clip-higher. None: the algorithm's default (ALGORITHM_DEFAULTS).
-    clip_low: float | None = None
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    aggregation: AggregationMode | None = None  # None: the algorithm's
-    norm_std: bool | None = None  # group-relative advantages divided by the group's std; None: the algorithm's
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float | None = 0.2
-    ppo_epochs: int = 1
-    minibatches: int = 1  # optimizer steps per epoch
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
-    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens (0: off)
-    overlong_penalty: float = 1.0
-    # Rollout/trainer mismatch correction of the policy gradient (megarl.algorithms.off_policy):
-    # tis: token weights min(r, is_cap); mis: drop sequences whose geometric-mean ratio leaves
-    # [is_low, is_high]; icepop: token weights r inside that band, tokens outside it dropped (the
-    # paper's M(r)); token_mask: the same band, kept tokens weighted 1; r = pi_old / mu.
-    # seq_tis: each sequence's weights min(its geometric-mean r, is_cap) (megarl.algorithms.seq_tis).
-    off_policy_correction: OffPolicyCorrection = "none"
-    is_cap: float = 2.0
-    is_floor: float | None = None  # tis, seq_tis: a lower bound on the weight too, clip(r, is_floor, is_cap)
-    is_low: float = 0.5
-    is_high: float = 2.0
-    # sapo: the soft gate's temperatures for positive and negative advantages (megarl.algorithms.sapo)
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cov_fraction: float = 2e-4  # clip_cov, kl_cov: the valid tokens restrained (megarl.algorithms.entropy_cov)
-    clip_cov_low: float = 1.0  # clip_cov: the covariance band its tokens are drawn from
-    clip_cov_high: float = 5.0
-    kl_cov_coef: float = 1.0  # kl_cov: the weight of |log r| on the highest-covariance tokens
-
-    def __post_init__(self) -> None:
-        for key, value in {**ALGORITHM_DEFAULTS["*"], **ALGORITHM_DEFAULTS.get(self.name, {})}.items():
-            if getattr(self, key) is None:
-                setattr(self, key, value)
-
-
 @dataclass
 class TrainerConfig:
     steps: int = 20
@@ -483,6 +422,9 @@ class RunConfig:
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
     reward_model: RoleConfig | None = None
+    # On-policy distillation's teacher (algorithm.teacher_kl_coef > 0): a frozen model of the actor's
+    # tokenizer, perhaps a larger one, that scores the actor's samples; its own model path and layout
+    teacher: RoleConfig | None = None
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
@@ -498,6 +440,6 @@ class RunConfig:
             self.critic.model.path = self.reward_model.model.path
 
     def roles(self) -> dict[str, RoleConfig]:
-        named = {"actor": self.actor, "reference": self.reference,
-                 "critic": self.critic, "reward_model": self.reward_model}
+        named = {"actor": self.actor, "reference": self.reference, "critic": self.critic,
+                 "reward_model": self.reward_model, "teacher": self.teacher}
         return {name: role for name, role in named.items() if role is not None}

@@ -38,13 +38,18 @@ SCORING = {name: kind.value_head for name, kind in ROLE_KINDS.items() if not kin
 def roles_for(algo: str) -> list[str]:
     """The roles a step of ``algo`` (a registered algorithm's name) runs, asked of the algorithm:
     the actor and a KL reference (the workloads the planner models all use one), and a critic
-    with the reward model it starts from where the algorithm learns a value function."""
+    with the reward model it starts from where the algorithm learns a value function. On-policy
+    distillation (opd) scores the samples with a teacher instead of a reference, planned as a
+    scoring role of the actor's architecture (a larger teacher is not modelled)."""
     from megarl.algorithms.registry import ALGORITHMS, get_algorithm
+    from megarl.config.schema import AlgorithmConfig
 
     if algo not in ALGORITHMS:
         raise ValueError(f"algo {algo!r} must be one of {', '.join(ALGORITHMS)}")
-    return ["actor", "critic", "reference", "reward_model"] if get_algorithm(algo).needs_critic \
-        else ["actor", "reference"]
+    algorithm = get_algorithm(algo)
+    if algorithm.needs_teacher(AlgorithmConfig(name=algo)):
+        return ["actor", "teacher"]
+    return ["actor", "critic", "reference", "reward_model"] if algorithm.needs_critic else ["actor", "reference"]
 
 
 @dataclass(frozen=True)

@@ -159,8 +159,9 @@ def plan_split(arch: ModelArch, n: int, inp: PlanInputs) -> Plan:
 def _forward_passes(algo: str) -> list[str]:
     """Forward passes over the batch per step: old log-probs, reference, and where the algorithm
     learns a value function, the critic's values and the reward model's scores."""
-    with_critic = "critic" in roles_for(algo)
-    return ["actor old log-probs", "reference"] + (["critic values", "reward model"] if with_critic else [])
+    roles = roles_for(algo)
+    scoring = ["teacher"] if "teacher" in roles else ["reference"]
+    return ["actor old log-probs", *scoring] + (["critic values", "reward model"] if "critic" in roles else [])
 
 
 def _group_sizes(n: int) -> list[int]:
@@ -234,7 +235,7 @@ def plan_disaggregated(arch: ModelArch, n: int, inp: PlanInputs) -> Plan:
 def _disagg_times(picked: dict, arch: ModelArch, inp: PlanInputs) -> dict[str, float]:
     """Synchronous RL: generation, then the scoring passes (in parallel on their GPUs), then training."""
     forward = {"actor": steptime.forward_s(arch, picked["actor"][0], inp.rl, inp.gpu, inp.eff)}
-    for name in ("reference", "reward_model", "critic"):
+    for name in ("reference", "teacher", "reward_model", "critic"):
         if name in picked:
             forward[name] = steptime.forward_s(arch, picked[name][0], inp.rl, inp.gpu, inp.eff)
     training = [picked[r][1].time_s for r in TRAINED if r in picked]

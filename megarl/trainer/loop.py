@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from megarl.algorithms import get_algorithm
 from megarl.algorithms.base import ScoredBatch
+from megarl.algorithms.distill import teacher_metrics
 from megarl.config.schema import RunConfig
 from megarl.trainer.evaluation import final_table
 from megarl.trainer.run import Run
@@ -28,6 +29,7 @@ def train(cfg: RunConfig) -> list[dict]:
         log = run.logger(resume_step=start)
         rollout, device = run.rollout, run.colocation  # the rollout service, the device's hand-overs
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
+        teacher = run.roles.get("teacher")  # on-policy distillation: scores the actor's samples
         algorithm = get_algorithm(cfg.algorithm.name)
         reward_model = run.roles.get("reward_model") if rollout.needs_reward_model else None  # else it seeds the critic
         if start == 0 and (before := run.evaluate()):  # the held-out sets before any update, as step 0
@@ -44,6 +46,10 @@ def train(cfg: RunConfig) -> list[dict]:
                 scores, parts = rollout.score(samples, reward_model.scores(batch) if reward_model else None)
             with run.phase("reference"):
                 ref = reference.logprobs(batch) if reference else None
+            taught = None
+            if teacher:  # its own phase only where there is one: no time/teacher_s otherwise
+                with run.phase("teacher"):
+                    taught = teacher.logprobs(batch)
             warming = run.step <= cfg.trainer.critic_warmup  # the critic learns first, the actor waits
             with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
                 needed = warming or algorithm.needs_old_logprobs(algo)
@@ -53,7 +59,7 @@ def train(cfg: RunConfig) -> list[dict]:
             with run.phase("advantages"):
                 before = None if old is None else old.logprobs  # the actor's, for KL in the reward
                 turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
-                scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns)
+                scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns, taught)
                 est = algorithm.estimate(algo, scored)
             metrics = {}
             if not warming:
@@ -70,6 +76,8 @@ def train(cfg: RunConfig) -> list[dict]:
                 verified = run.sync_weights(batch)
                 generating = run.generation_seconds()  # the engines' time in generate() this step
             metrics |= step_metrics(batch, scores, parts, old, ref, est, algo) | verified
+            if taught is not None:  # on the samples' response tokens, before the update
+                metrics |= teacher_metrics(before, taught, batch.mask)
             if algo.kl_target is not None and "kl/mean" in metrics:  # the coefficient for the next step
                 metrics["kl/coef"] = run.kl_control.update(metrics["kl/mean"], n_steps=batch.size)
             offloaded = device.take_offloaded_bytes() if device.active else None

@@ -84,6 +84,7 @@ def _short(value: Any) -> str:
 PLOTS = {
     "reward": ("reward/mean", "mean reward"),
     "kl": ("kl/mean", "KL(actor || reference)"),
+    "reverse_kl": ("distill/reverse_kl", "reverse KL(student || teacher) per token"),  # distillation only
     "response_length": ("response/length_mean", "response tokens"),
     "tool_calls": ("tool/call_fraction", "episodes that call a tool"),  # multi-turn runs only
     # the supervised stages (megarl sft / rm / dpo)

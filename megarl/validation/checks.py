@@ -2,7 +2,7 @@
 
 ``validate_run`` runs an RL run's checks in order; they live, grouped by what they check, beside
 this module: ``ranges``, ``role_checks``, ``rollout_checks``, ``rl_checks``, ``memory``,
-``env_checks`` and ``eval_checks``."""
+``env_checks``, ``eval_checks`` and ``teacher_checks``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from megarl.validation.rollout_checks import (
     rollout_fit_errors,
     routing_replay_errors,
 )
+from megarl.validation.teacher_checks import teacher_errors
 
 
 def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, ModelArch]:
@@ -52,6 +53,7 @@ def validate_run(cfg: RunConfig, platform: Platform | None = None) -> dict[str, 
         errors += fp8_rollout_errors(cfg, archs["actor"], platform)
         errors += routing_replay_errors(cfg)
         errors += backend_errors(cfg)
+        errors += teacher_errors(cfg, archs)  # one tokenizer for the actor and the teacher that scores its samples
         if not errors:  # reads the whole dataset: only once the rest is known to be sound
             errors += data_errors(cfg) + eval_errors(cfg)
     refuse(errors)
