@@ -15,6 +15,8 @@ rewards are real), with vLLM's smallest CPU-friendly shape (head_dim 32).
   and sleeping in turn) repeats the disaggregated one bit for bit.
 - PPO with critic, reward model and reference, each its own placement group, the
   actor at tp=2.
+- On-policy distillation (algorithm.name=opd): a teacher role scores the actor's samples,
+  rollout one version ahead in multi-turn episodes; the student's reverse KL to it falls.
 """
 
 from __future__ import annotations
@@ -435,6 +437,36 @@ def test_ppo_with_critic_reward_model_and_reference_disaggregated(policy, reward
     assert {name: len(pids) for name, pids in groups.items()} == {"actor": 2, "reference": 1, "critic": 1,
                                                                  "reward_model": 1, "rollout_service": 1}
     assert len({pid for pids in groups.values() for pid in pids}) == 6  # one process per rank and role
+
+
+def test_on_policy_distillation_ahead_in_episodes(policy, reward_url, smollm2, tmp_path, starts_processes):
+    """algorithm.name=opd with a teacher role of its own (the policy's weights moved by noise, SmolLM2's
+    tokenizer), rollout one weight version ahead (trainer.max_staleness=1) in multi-turn episodes
+    (env.kind: single_turn), no reference: the teacher scores the actor's samples each step and the
+    student's reverse KL to it falls as it learns; the task reward is logged, not trained on."""
+    from conftest import moved_copy
+
+    from megarl.trainer.loop import train
+
+    teacher = moved_copy(policy, tmp_path / "teacher", smollm2, seed=7, scale=0.1)  # reverse KL ~0.7 nats per token
+    out = tmp_path / "opd"
+    overrides = [f"actor.model.path={policy}", f"teacher.model.path={teacher}", "reference=null", f"output_dir={out}",
+                 "algorithm.name=opd", "algorithm.kl_coef=0", "trainer.max_staleness=1", "env={kind: single_turn}",
+                 "trainer.steps=4", "data.prompts_per_step=2", "data.size=16", "rollout.n=4", "rollout.max_tokens=12",
+                 "rollout.max_model_len=256", "data.max_prompt_len=128", "actor.micro_batch_size=4",
+                 "teacher.micro_batch_size=8", "actor.optim.lr=1e-3", "trainer.tensorboard=false",
+                 "trainer.wandb=false", "trainer.collective_timeout_s=20", "eval.sets=[]",
+                 "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
+    history = train(_config(overrides))
+    assert [h["rollout/staleness"] for h in history] == [0, 1, 1, 1]
+    kl = [h["distill/reverse_kl"] for h in history]
+    print("reverse KL per token, by step:", kl)
+    assert all(math.isfinite(v) for v in kl) and kl[0] > 0.3, kl  # the teacher is another model
+    assert kl[-1] < 0.8 * kl[0], kl
+    assert all(math.isfinite(h["actor/pg_loss"]) and h["time/teacher_s"] > 0 for h in history)
+    groups = json.loads((out / "workers.json").read_text())
+    assert {name: len(pids) for name, pids in groups.items()} == {"actor": 1, "teacher": 1, "rollout_service": 1}
+    assert (out / "plots" / "reverse_kl.png").is_file()
 
 
 # ---------------------------------------------------------------- processes that die mid-run
