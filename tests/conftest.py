@@ -168,6 +168,15 @@ def tiny_config(family: str, **overrides):
         common.update(hidden_size=128, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False)
         cls = transformers.Qwen2MoeConfig
+    elif family == "gemma3_text":
+        # head_dim 32 (vLLM's CPU attention), tied embeddings as released; windowed layers 0, 1, 3 and
+        # global layer 2 (so a pp=2 split puts both kinds on the last stage), each kind with its own
+        # rotary base; a score scale of 24 ** -0.5, not head_dim ** -0.5
+        common.update(head_dim=32, tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=24,
+                      layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        cls = transformers.Gemma3TextConfig
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -190,6 +199,11 @@ def build_tiny_hf(family: str, path: Path, seed: int = 0, **overrides) -> Path:
             for name, param in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     param.normal_(mean=1.0, std=0.3)
+    if family == "gemma3_text":  # transformers inits its (1 + w) norms' w to zero: make all six matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(std=0.3)
     return _save(model, path)
 
 
@@ -234,7 +248,7 @@ def build_tiny_policy(path: Path, smollm2: Path) -> Path:
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {family: build_tiny_hf(family, root / family)
-            for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe")}
+            for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text")}
 
 
 @pytest.fixture(scope="session")

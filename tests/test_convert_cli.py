@@ -70,10 +70,11 @@ def test_round_trip_hf_mcore_hf_is_bitwise(llama_with_side_files, ckpt22, tmp_pa
 
 
 @pytest.mark.parametrize("family,layout", [("qwen3", "--tp 2 --pp 2"), ("qwen3_moe", "--tp 2 --ep 2 --etp 1"),
-                                           ("qwen2_moe", "--tp 2 --pp 2")])
+                                           ("qwen2_moe", "--tp 2 --pp 2"), ("gemma3_text", "--tp 2 --pp 2")])
 def test_round_trip_of_another_family_is_bitwise(family, layout, tiny_models, tmp_path, megarl):
     """The round trip above (a Llama) for the families with tensors of their own (Qwen3's QK-norms,
-    Qwen3-MoE's router and experts, Qwen2-MoE's shared expert and its gate); Qwen3-MoE written with
+    Qwen3-MoE's router and experts, Qwen2-MoE's shared expert and its gate, Gemma-3's four norms per
+    layer and QK-norms, its embedding tied); Qwen3-MoE written with
     attention over tp=2 and each expert whole over ep=2 (etp=1: two ranks in all)."""
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
     megarl("convert", "hf-to-mcore", "--hf", str(tiny_models[family]), "--out", str(ckpt), *layout.split())

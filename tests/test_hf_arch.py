@@ -538,3 +538,35 @@ def test_index_naming_a_missing_file(tmp_path):
     with pytest.raises(ArchError, match=r"model-00001-of-00001\.safetensors is listed in the checkpoint "
                                         r"index but does not exist"):
         HFReader(tmp_path)
+
+
+# Gemma-3 text as transformers 5 writes it (per-layer-kind rope_parameters) and as Google's released
+# configs do (rope_theta, rope_scaling, rope_local_base_freq): the same block options.
+GEMMA3 = {**without(LLAMA, "hidden_act", "rope_parameters"), "model_type": "gemma3_text", "head_dim": 32,
+          "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8, "query_pre_attn_scalar": 24,
+          "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": None,
+          "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+
+
+@pytest.mark.parametrize("cfg", [GEMMA3, {**without(GEMMA3, "rope_parameters"), "rope_theta": 1e6,
+                                          "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                          "rope_local_base_freq": 1e4}])
+def test_gemma3_block_options(cfg):
+    from megarl.models.arch import BlockOptions, family_of
+
+    arch = arch_from_hf_config(cfg)
+    assert (arch.rope, arch.sliding_window) == (RopeConfig(theta=1e6, kind="linear", factor=8.0), 8)
+    assert family_of(arch).block_options(arch) == BlockOptions(
+        activation="gelu_tanh", zero_centred_norms=True, qk_norm=True, sandwich_norms=True, window=8,
+        global_layers=(1,), local_rope_theta=1e4, softmax_scale=24 ** -0.5)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types must list one of"),
+])
+def test_gemma3_refusals_name_the_field(change, message):
+    with pytest.raises(ArchError, match=r"^g/config\.json: " + message):
+        arch_from_hf_config({**GEMMA3, **change}, source="g/config.json")

@@ -17,7 +17,7 @@ from megarl.convert import jobs
 
 TOL = 1e-3
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-DENSE = ["llama", "mistral", "qwen2", "qwen3"]
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 
 
 def _single(results):

@@ -5,6 +5,7 @@ Oracle: transformers' loss and gradient norm for the same weights and batch.
 
 from __future__ import annotations
 
+import pytest
 import rank_jobs
 import torch
 from conftest import random_tokens
@@ -52,12 +53,15 @@ def test_training_step_matches_transformers_and_is_layout_independent(pools, tin
 # QK-norm weights, so each rank's gradient of them is partial; megatron-core sums them over the
 # tensor-parallel ranks when its config says ``qk_layernorm`` (the Qwen3 family sets it). Without
 # the sum, the step-0 gradient norm is not transformers' and the replicas drift apart.
-def test_qwen3_training_step_matches_transformers_and_is_layout_independent(pools, tiny_models):
+# Gemma-3 (gemma3_text): the same, with its four (1 + w) norms per layer, GeGLU, windowed and global
+# layers with their own rotary bases and its scaled embedding, whose gradient reaches the tied weight.
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_qk_norm_family_training_step_matches_transformers_and_is_layout_independent(family, pools, tiny_models):
     tokens = random_tokens(batch=4, seq=33, seed=3)
-    hf_loss, hf_norm = _hf_loss_and_grad_norm(tiny_models["qwen3"], tokens)
+    hf_loss, hf_norm = _hf_loss_and_grad_norm(tiny_models[family], tokens)
     for par in (ParallelConfig(tp=1, world_size=4), ParallelConfig(tp=2, world_size=4),
                 ParallelConfig(tp=2, sequence_parallel=True, world_size=4), ParallelConfig(tp=2, pp=2, world_size=4)):
-        run = _run(pools, tiny_models["qwen3"], par, tokens)
+        run = _run(pools, tiny_models[family], par, tokens)
         # step 0 is before any update: transformers' loss and gradient norm
         assert abs(run["loss"][0] - hf_loss) <= 1e-5, (par, run["loss"][0], hf_loss)
         assert abs(run["grad_norm"][0] - hf_norm) <= 1e-5 * hf_norm, (par, run["grad_norm"][0], hf_norm)
