@@ -48,3 +48,17 @@ def lora_forward_grads(hf_dir: str, adapter_dir: str, parallel: ParallelConfig, 
             return None
         return {"logits": full, "base": base, "grads": assemble([p for rank in pieces for p in rank]),
                 "trainable": trainable, "frozen_with_grad": frozen_with_grad}
+
+
+def adapted_and_base_logprobs(key: str, tokens: torch.Tensor) -> dict | None:
+    """A held LoRA model's log-probs of ``tokens`` with its adapters on and off (its reference), and
+    the names of any trainable parameter that is not an adapter (the reporting rank's)."""
+    from megarl.models.lora import is_adapter
+    from megarl.workers.megatron_model import held, token_logprobs
+
+    model = held(key)
+    adapted = token_logprobs(key, tokens)
+    with adapters_disabled(model.chunks):
+        base = token_logprobs(key, tokens)
+    trainable = [n for c in model.chunks for n, p in c.named_parameters() if p.requires_grad and not is_adapter(n)]
+    return None if adapted is None else {"adapted": adapted, "base": base, "trainable_base": trainable}

@@ -15,6 +15,7 @@ from megarl.convert.hf_io import HFReader
 from megarl.convert.mapping import ShardLayout, canonical_name, hf_tensor_shapes, recipe
 from megarl.distributed.parallel import RankInfo
 from megarl.models.gpt import ModelSpec
+from megarl.models.lora import is_adapter
 from megarl.platform import current_platform
 
 
@@ -29,6 +30,8 @@ def canonical_parameters(chunks: list, spec: ModelSpec, info: RankInfo) -> Itera
         chunk = getattr(wrapped, "module", wrapped)  # megatron DDP wraps the GPTModel
         layers = chunk.decoder.layers
         for name, param in chunk.named_parameters():
+            if is_adapter(name):  # LoRA adapters have no HF tensor of their own (megarl.models.lora)
+                continue
             global_layer = None
             if name.startswith("decoder.layers."):
                 local = int(name.split(".")[2])

@@ -12,19 +12,23 @@ import torch
 from megarl.convert.weights import canonical_parameters, shard_layout
 from megarl.distributed.parallel import RankInfo
 from megarl.models.gpt import ModelSpec
+from megarl.models.lora import has_lora, merged_weights
 from megarl.reshard.checksum import region_checksum
 from megarl.reshard.plan import ParamInfo, dtype_of
 
 
 def source_tensors(chunks: list, spec: ModelSpec, info: RankInfo) -> dict[str, torch.Tensor]:
-    """Canonical name → tensor of every shard this rank sources (empty for replicas)."""
+    """Canonical name → tensor of every shard this rank sources (empty for replicas). A LoRA
+    actor's adapted linears go out merged (W + scale * B @ A, ``megarl.models.lora``): the engine
+    serves the adapted policy with its ordinary weights, the same bytes as a full model's."""
     out = {}
+    merged = merged_weights(chunks) if info.replica() == 0 and has_lora(chunks) else {}
     for name, param in canonical_parameters(chunks, spec, info):
         if info.replica(expert=".local_experts." in name) != 0:
             continue
         if name == "output_layer.weight" and spec.arch.tie_embeddings and not spec.value_head:
             continue
-        out[name] = param.data
+        out[name] = merged.get(id(param), param.data)
     return out
 
 

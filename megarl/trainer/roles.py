@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from megarl.algorithms.base import combine
-from megarl.config.schema import AlgorithmConfig, RoleConfig
+from megarl.config.schema import AlgorithmConfig, RoleConfig, RunConfig
 from megarl.config.supervised import DpoConfig
 from megarl.rollout_driver.batch import RolloutBatch
 from megarl.workers import checkpoint_fns, megatron_model, offload_fns, rl_fns
@@ -36,7 +36,8 @@ class MegatronRole:
         """Builds the role's model at its layout and fills it from its source (HF or checkpoint)."""
         self._run(megatron_model.load, key=self.name, source=self.source, parallel=self.cfg.parallel,
                   dtype=self.cfg.precision.dtype, value_head=self.value_head, timeout_minutes=timeout_minutes,
-                  recompute=self.cfg.recompute, new_value_head=self.new_value_head, moe=self.cfg.moe)
+                  recompute=self.cfg.recompute, new_value_head=self.new_value_head, moe=self.cfg.moe,
+                  lora=self.cfg.lora)
 
     def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> torch.Tensor | TokenStats:
         """The log-probs [B, L-1] of ``batch``'s responses; with ``entropy``, with each prediction's entropy."""
@@ -92,3 +93,34 @@ class MegatronRole:
 
     def shutdown(self, graceful: bool = True) -> None:
         self.group.shutdown(graceful=graceful)
+
+
+def reference_is_actor_base(cfg: RunConfig) -> bool:
+    """A LoRA actor whose reference is its own start point scores the reference with its adapters
+    off (``BaseOfActor``) instead of a second copy of the weights."""
+    return cfg.actor.lora.enabled and cfg.reference is not None and cfg.reference.model.path == cfg.actor.model.path
+
+
+class BaseOfActor(MegatronRole):
+    """The reference role of a LoRA actor: the actor's ranks, adapters off; nothing of its own to
+    load, move or stop."""
+
+    def __init__(self, actor: MegatronRole) -> None:
+        super().__init__("reference", actor.cfg, actor.group, actor.source, actor.timeout_s)
+        self.actor = actor
+
+    def load(self, timeout_minutes: int = 30) -> None:
+        pass
+
+    def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> torch.Tensor | TokenStats:
+        return gather_shards(self._run(rl_fns.logprobs, key=self.actor.name, batch=batch.to_workers(),
+                                       entropy=entropy, base_only=True, **self._batching()))
+
+    def offload(self, parts: tuple[str, ...] = offload_fns.PARTS) -> int:
+        return 0  # the actor's own offload moves these weights
+
+    def onload(self) -> int:
+        return 0
+
+    def shutdown(self, graceful: bool = True) -> None:
+        pass  # the actor's group: the actor stops it

@@ -30,7 +30,7 @@ from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.colocation import Colocation
 from megarl.trainer.evaluation import Evaluator
 from megarl.trainer.metrics import MetricsLogger
-from megarl.trainer.roles import MegatronRole
+from megarl.trainer.roles import BaseOfActor, MegatronRole, reference_is_actor_base
 from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
 from megarl.workers.watchdog import Watchdog
@@ -112,6 +112,9 @@ class Run:
             # share its devices load once it has, or its profile counts their weights as its own
             wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
         for name, role_cfg in cfg.roles().items():
+            if name == "reference" and reference_is_actor_base(cfg):
+                self.roles[name] = BaseOfActor(self.roles["actor"])  # no second copy of the weights
+                continue
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
         self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
         from megarl.workers.weight_sync import WeightSync

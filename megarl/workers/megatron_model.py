@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megarl.config.lora import LoraConfig
 from megarl.config.schema import MoeConfig, ParallelConfig, PrecisionConfig, RecomputeConfig
 from megarl.distributed.parallel import RankInfo, megatron_parallel
 from megarl.models.gpt import ModelSpec, build_model_chunks
@@ -43,11 +44,12 @@ def held(key: str) -> HeldModel:
 
 def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32", value_head: bool = False,
          seed: int = 1234, timeout_minutes: int = 30, recompute: RecomputeConfig | None = None,
-         new_value_head: bool = False, moe: MoeConfig | None = None) -> dict:
+         new_value_head: bool = False, moe: MoeConfig | None = None, lora: LoraConfig | None = None) -> dict:
     """Builds the model at ``parallel`` and fills it from an HF folder or a megarl checkpoint;
     ``recompute`` is the role's activation recompute, ``moe``
     a MoE model's routing in training;
-    ``new_value_head`` lets a value head that an HF language model lacks start from its init."""
+    ``new_value_head`` lets a value head that an HF language model lacks start from its init;
+    ``lora`` (enabled) adds adapters and freezes the rest (``megarl.models.lora``)."""
     from megarl.convert.checkpoint import is_megarl_checkpoint, load_model
     from megarl.convert.hf_io import HFReader
     from megarl.convert.jobs import spec_from_checkpoint
@@ -77,6 +79,10 @@ def load(key: str, source: str, parallel: ParallelConfig, dtype: str = "float32"
             reader = HFReader(path)
             load_hf_weights(chunks, reader, spec, info, new_value_head=new_value_head)
             reader.close()
+        if lora is not None and lora.enabled:
+            from megarl.models.lora import apply_lora
+
+            apply_lora(chunks, spec, info.tp_rank, info.tp, lora)
     except BaseException:
         context.__exit__(None, None, None)
         raise

@@ -61,12 +61,17 @@ def _forward(key: str, batch: RankBatch, micro_batch_size: int,
 
 def logprobs(key: str, batch: RankBatch, micro_batch_size: int, entropy: bool = False,
              max_tokens_per_microbatch: int | None = None, pack_sequences: bool = False,
-             share_prompt: bool = False, response_only: bool = True) -> ShardResult | None:
+             share_prompt: bool = False, response_only: bool = True, base_only: bool = False) -> ShardResult | None:
     """log p(tokens[:, 1:]) [B, L-1] (with ``entropy``: ``TokenStats`` with each prediction's
     entropy) under the model; 0 past each sequence's end when micro-batches are cut or packed
     (``seq_lens``). With ``response_only`` (the RL roles' case) only the label positions in
     ``batch.mask`` are computed, and the others are 0; ``share_prompt`` then computes each prompt
-    once for its consecutive samples."""
+    once for its consecutive samples. ``base_only``: a LoRA model's base, its adapters off (the
+    reference policy of a LoRA actor, from the actor's own weights)."""
+    import contextlib
+
+    from megarl.models.lora import adapters_disabled
+
     vocab = held(key).spec.arch.vocab_size
 
     def head(logits, mb):
@@ -75,8 +80,9 @@ def logprobs(key: str, batch: RankBatch, micro_batch_size: int, entropy: bool = 
         lp, ent = label_stats(logits, mb, vocab, entropy=True)
         return TokenStats(lp.float(), ent.float())
 
-    return _forward(key, batch, micro_batch_size, head, max_tokens_per_microbatch, pack_sequences,
-                    select=response_only, share=share_prompt)
+    with adapters_disabled(held(key).chunks) if base_only else contextlib.nullcontext():
+        return _forward(key, batch, micro_batch_size, head, max_tokens_per_microbatch, pack_sequences,
+                        select=response_only, share=share_prompt)
 
 
 def values(key: str, batch: RankBatch, micro_batch_size: int, max_tokens_per_microbatch: int | None = None,
