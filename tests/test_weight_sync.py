@@ -35,17 +35,30 @@ def rollout_models(rollout_model, tmp_path_factory):
     return {"llama": (rollout_model, "tiny"), "qwen3": (qwen3, "qwen3")}
 
 
+class _Engines(dict):
+    """Each engine starts on its first use: a test run that picks a few tests (``-k``) starts only
+    the engines they read, not every family's."""
+
+    def __init__(self, models: dict[str, tuple[str, int, int]]) -> None:
+        super().__init__()
+        self.models = models  # name -> (model path, vLLM TP, max_model_len)
+
+    def __missing__(self, name: str):
+        from megarl.rollout.remote import start_engine, wait_ready
+
+        model, tp, max_len = self.models[name]
+        self[name] = engine = start_engine(model, tp=tp, max_model_len=max_len, max_num_seqs=8)
+        wait_ready([engine])
+        return engine
+
+
 @pytest.fixture(scope="module")
 def engines(ray_session, rollout_models, smollm2):
-    from megarl.rollout.remote import start_engine, wait_ready
-
     # llama at vLLM TP 1 and 2; qwen3 (whose family-specific part is its QK-norms) at TP 2
-    started = {
-        f"{prefix}-tp{tp}": start_engine(str(model), tp=tp, max_model_len=256, max_num_seqs=8)
-        for model, prefix in rollout_models.values() for tp in ((1, 2) if prefix == "tiny" else (2,))
-    }
-    started["smollm2-tp1"] = start_engine(str(smollm2), tp=1, max_model_len=512, max_num_seqs=8)
-    wait_ready(list(started.values()))
+    models = {f"{prefix}-tp{tp}": (str(model), tp, 256)
+              for model, prefix in rollout_models.values() for tp in ((1, 2) if prefix == "tiny" else (2,))}
+    models["smollm2-tp1"] = (str(smollm2), 1, 512)
+    started = _Engines(models)
     yield started
     import ray
 
@@ -227,3 +240,28 @@ def test_bench_refit_refuses_a_bad_layout_before_starting(rollout_model, cli):
     assert proc.returncode == 2
     assert "--train-tp=3 does not divide num_attention_heads=4" in proc.stderr
     assert "starting vLLM" not in proc.stdout
+
+
+def test_lora_actor_syncs_merged_weights(actor4, engines, rollout_model):
+    """A LoRA actor (tp 2, pp 2) after a step: vLLM receives W + scale * B @ A per shard and serves
+    the adapted policy, the same bytes as a full model; the base stays transformers' own (the reference)."""
+    import lora_jobs
+    import torch
+    from conftest import hf_logits
+
+    from megarl.config.lora import LoraConfig
+
+    actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
+               parallel=ParallelConfig(tp=2, pp=2, world_size=4), lora=LoraConfig(rank=4, alpha=8.0))
+    actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=7), lr=0.05)
+    tokens = random_tokens(batch=2, seq=32)
+    (state,) = [r for r in actor4.run(lora_jobs.adapted_and_base_logprobs, key="actor", tokens=tokens) if r]
+    report, verified = _sync_and_verify(actor4, engines["tiny-tp2"], tokens)
+    assert report.received == report.needed and report.bytes_ratio == 1.0 and report.checksum_mismatches == []
+    assert verified.max_abs_logprob_diff <= TOL
+    hf = torch.log_softmax(hf_logits(rollout_model, tokens)[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    moved, base_diff = (state["adapted"] - state["base"]).abs().max(), (state["base"] - hf).abs().max()
+    print(f"LoRA sync: vLLM vs actor {verified.max_abs_logprob_diff:.2e}; adapters moved log-probs by "
+          f"{moved:.2e}; base vs transformers {base_diff:.2e}")
+    assert moved > 20 * TOL  # the merge matters
+    assert base_diff <= TOL and state["trainable_base"] == []
