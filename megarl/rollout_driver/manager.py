@@ -35,6 +35,7 @@ from megarl.rollout_driver.group_streams import (
     open_episode_group_streams,
     open_group_streams,
 )
+from megarl.rollout_driver.inflight import interrupt
 from megarl.rollout_driver.partial_episodes import PartialEpisodes
 from megarl.rollout_driver.partial_samples import PartialRollout
 from megarl.rollout_driver.scoring import Scores, Scoring
@@ -168,7 +169,7 @@ class RolloutManager:
         home.collect(batch, self.cfg.trainer.step_timeout_s)
 
     def interrupt(self, epoch: int) -> None:
-        partial_samples.interrupt(self.engines, epoch, self.cfg.trainer.collective_timeout_s)
+        interrupt(self.engines, epoch, self.cfg.trainer.collective_timeout_s)
 
     def assemble_partial(self, batch: PartialRollout | PartialEpisodes) -> Rollout:
         """A finished partial batch as a ``Rollout``; its version is its oldest token's."""

@@ -23,48 +23,34 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from megarl.config.schema import RunConfig
 from megarl.rollout.episodes import EpisodeRequest, Trajectory, suspended_name
 from megarl.rollout.remote import submit_episode_requests
 from megarl.rollout.sampling import SamplingConfig
-from megarl.rollout_driver.group_streams import GroupStreams, groups_as_they_finish, open_episode_group_streams
-from megarl.rollout_driver.partial_samples import take_answers
+from megarl.rollout_driver.group_streams import groups_as_they_finish, open_episode_group_streams
+from megarl.rollout_driver.inflight import InFlight
 from megarl.utils.shares import contiguous_shares
 
 Home = tuple[int, str]  # where a suspended episode waits: (engine index, the name it is kept under)
 
 
 @dataclass
-class PartialEpisodes:
+class PartialEpisodes(InFlight):
     """A batch of episodes, some finished; calls in flight or none."""
 
-    index: int
-    prompt_ids: list[int]  # the dataset's ids of its prompts
-    group_size: int
     requests: list[EpisodeRequest]  # one per episode, a group's side by side
     episodes: list[Trajectory | None]  # None: not finished yet
     versions: list[int]  # each finished episode's oldest token's weight version
     homes: list[Home | None]  # each suspended episode's engine and name (rollout.partial=continue)
     interruptions: int = 0  # episodes an interruption cut (dropped and restarted, or suspended)
-    calls: list = field(default_factory=list)  # Ray object refs, one per engine call
-    call_slots: list[list[int]] = field(default_factory=list)  # the episodes each call answers
     call_homes: list[Home | None] = field(default_factory=list)  # where each call suspends its episodes
-    call_version: int = -1
-    # rollout.granularity=group: the groups in flight (``stream``), the thread taking them in
-    streams: GroupStreams | None = None
-    taking: Future | None = None
     streams_suspend: bool = False  # whether the streams keep the episodes an interruption cuts
 
     @property
     def finished(self) -> bool:
         return all(t is not None for t in self.episodes)
-
-    @property
-    def in_flight(self) -> bool:
-        return bool(self.calls) or self.streams is not None
 
     def group(self, g: int) -> range:
         """Group ``g``'s episodes (their positions in the batch)."""
@@ -151,7 +137,7 @@ def collect(batch: PartialEpisodes, timeout_s: float) -> set[int]:
     """Waits for the batch's calls (``timeout_s``); keeps each episode that finished, and where
     each suspended one waits."""
     home_of = {i: home for part, home in zip(batch.call_slots, batch.call_homes, strict=True) for i in part}
-    answers, batch.call_homes = take_answers(batch, timeout_s), []
+    answers, batch.call_homes = batch.take_answers(timeout_s), []
     for i, episode in answers:
         _keep(batch, i, episode, home_of[i])
     return {i // batch.group_size for i, _ in answers}

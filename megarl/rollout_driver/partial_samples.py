@@ -14,13 +14,12 @@ batch's seed + j, as vLLM's n samples of one request do, and segment s with that
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.rollout.sampling import SEGMENT_SEED_STRIDE, RolloutSample, SamplingConfig, SegmentRequest
-from megarl.rollout_driver.group_streams import GroupStreams, groups_as_they_finish, open_segment_group_streams
-from megarl.utils.abort import wait_all
+from megarl.rollout_driver.group_streams import groups_as_they_finish, open_segment_group_streams
+from megarl.rollout_driver.inflight import InFlight
 from megarl.utils.shares import contiguous_shares
 
 
@@ -59,29 +58,16 @@ class Slot:
 
 
 @dataclass
-class PartialRollout:
-    """A batch whose samples may span weight versions; calls in flight or none."""
+class PartialRollout(InFlight):
+    """A batch whose samples may span weight versions, a ``Slot`` each; calls in flight or none."""
 
-    index: int
-    prompt_ids: list[int]  # the dataset's ids of its prompts
-    group_size: int
     slots: list[Slot]
-    calls: list = field(default_factory=list)  # Ray object refs, one per engine asked
-    call_slots: list[list[int]] = field(default_factory=list)  # the slots each call answers
-    call_version: int = -1  # the version the calls in flight sample with
-    # rollout.granularity=group: the groups in flight (``stream``), the thread taking them in as
-    # they finish, and each finished group's reward inputs and reward terms' scores, by group
-    streams: GroupStreams | None = None
-    taking: Future | None = None
+    # rollout.granularity=group: each finished group's reward inputs and reward terms' scores
     scored_groups: dict[int, tuple[list, Any]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
         return all(slot.finish_reason is not None for slot in self.slots)
-
-    @property
-    def in_flight(self) -> bool:
-        return bool(self.calls) or self.streams is not None
 
     def group(self, g: int) -> list[Slot]:
         return self.slots[g * self.group_size:(g + 1) * self.group_size]
@@ -150,25 +136,8 @@ def take_groups(batch: PartialRollout, timeout_s: float) -> Iterator[int]:
 
 def collect(batch: PartialRollout, timeout_s: float) -> None:
     """Waits for the batch's calls (``timeout_s``) and adds each segment to its slot."""
-    for i, segment in take_answers(batch, timeout_s):
+    for i, segment in batch.take_answers(timeout_s):
         batch.slots[i].add(segment, batch.call_version)
-
-
-def take_answers(batch: PartialRollout | Any, timeout_s: float) -> list[tuple[int, Any]]:
-    """Waits for a partial batch's calls (``timeout_s``): (slot, its answer) for every slot asked,
-    and the calls are forgotten. A batch with ``calls`` and ``call_slots`` (episodes too)."""
-    if not batch.in_flight:
-        return []
-    answers = wait_all(batch.calls, timeout_s, "generation")
-    taken = [(i, answer) for part, got in zip(batch.call_slots, answers, strict=True)
-             for i, answer in zip(part, got, strict=True)]
-    batch.calls, batch.call_slots = [], []
-    return taken
-
-
-def interrupt(engines: list, epoch: int, timeout_s: float) -> None:
-    """Every engine stops its calls of ``epoch`` or earlier at the next decoding step."""
-    wait_all([e.interrupt.remote(epoch) for e in engines], timeout_s, "interrupting generation")
 
 
 def samples(batch: PartialRollout) -> tuple[list[list[RolloutSample]], list[list[int]]]:
