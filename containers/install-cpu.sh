@@ -31,8 +31,7 @@ $PIP install -c containers/constraints-cpu.txt ninja numpy "nvidia-ml-py>=12" pa
 $PIP install -c containers/constraints-cpu.txt --no-deps verifiers nest-asyncio openai-agents griffelib
 # OpenEnv (env.kind: openenv:<package>, megarl/envs/adapters/openenv_env.py): openenv-core resolves
 # beside our pins (it brings fastmcp and gradio; gradio takes pillow to 12.x). Its wheel ships no
-# environment: reasoning_gym_env (model_configs/cpu_openenv_sums.yaml) is installed from the OpenEnv
-# repository at a fixed commit, without dependencies (openenv-core and reasoning-gym are in).
+# environment, and OpenEnv's own live in its repository, which CI cannot reach: the example
+# (model_configs/cpu_openenv_sums.yaml) is megarl's own, megarl/envs/examples/openenv_sums.
 $PIP install -c containers/constraints-cpu.txt openenv-core
-$PIP install --no-deps "openenv-reasoning_gym @ git+https://github.com/meta-pytorch/OpenEnv@685de411e5f77286b0fd94798d42c4467cf8a1bc#subdirectory=envs/reasoning_gym_env"
-python -c "import megarl, megatron.core, vllm, modelopt.torch.quantization, verifiers, reasoning_gym_env; print('megarl installed:', megarl.__version__)"
+python -c "import megarl, megatron.core, vllm, modelopt.torch.quantization, verifiers, megarl.envs.examples.openenv_sums; print('megarl installed:', megarl.__version__)"

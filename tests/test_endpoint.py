@@ -427,7 +427,7 @@ def test_a_token_bound_endpoint_answers_401_without_it(tokenizer):
 
 
 def test_an_openenv_environment_plays_through_its_own_server_and_client(host, tokenizer, starts_processes):
-    # reasoning_gym_env's server (started here on loopback) asks and scores; the scripted "7"
+    # the example environment's server (started here on loopback) asks and scores; the scripted "7"
     import zlib
 
     import reasoning_gym
@@ -437,8 +437,7 @@ def test_an_openenv_environment_plays_through_its_own_server_and_client(host, to
     from megarl.envs.agent import load_agent
 
     sums = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
-    env = EnvConfig(kind="openenv:reasoning_gym_env", max_turns=1,
-                    options={"reset": {"dataset_name": "chain_sum", "dataset_config": sums, "size": 1}})
+    env = EnvConfig(kind="openenv:megarl.envs.examples.openenv_sums", max_turns=1, options={"reset": sums})
 
     def answer(prompt):  # what the environment will ask for this item: its seed is the prompt's hash
         return reasoning_gym.create_dataset("chain_sum", size=1, seed=zlib.crc32(prompt.encode()), **sums)[0]["answer"]
@@ -452,6 +451,6 @@ def test_an_openenv_environment_plays_through_its_own_server_and_client(host, to
         for server in openenv_env._SERVERS.values():
             server.stop()
         servers, openenv_env._SERVERS = list(openenv_env._SERVERS.values()), {}
-    assert [t.reward for t in episodes] == [1.0, 0.0] and [t.error for t in episodes] == ["", ""]
+    assert [(t.reward, t.error) for t in episodes] == [(1.0, ""), (0.0, "")]
     assert "arithmetic problem" in tokenizer.decode(episodes[0].prompt_ids)
     assert [s.proc.poll() is not None for s in servers] == [True]  # stopped

@@ -51,15 +51,15 @@ def test_the_outside_endpoint_needs_a_token_off_loopback():
     assert len(env_setting_errors(cfg)) == 1
 
 
-OE = "openenv:reasoning_gym_env"
+OE = "openenv:megarl.envs.examples.openenv_sums"
 
 
 @pytest.mark.parametrize("kind, options, match", [
     ("openenv:", {}, "names no environment"),
     ("openenv:no_such_env_here", {}, "cannot import 'no_such_env_here'"),
     (OE, {"dataset_name": "chain_sum"}, "env.options has dataset_name: an OpenEnv environment takes client"),
-    (OE, {"answer_field": "reply"}, "answer_field must name the ReasoningGymAction field"),
-    (OE, {"prompt_field": "text"}, "prompt_field='text' is not a field of ReasoningGymObservation"),
+    (OE, {"answer_field": "reply"}, "answer_field must name the SumsAction field"),
+    (OE, {"prompt_field": "text"}, "prompt_field='text' is not a field of SumsObservation"),
     (OE, {"action": "megarl.config.schema:EnvConfig"}, "env.options.action='megarl.config.schema:EnvConfig' is not"),
     ("openenv:megarl.envs.examples", {}, "name env.options.client \\(the package exports none\\)"),
 ])
@@ -76,6 +76,26 @@ def test_an_openenv_environment_is_found_from_its_package():
 
     spec = check(EnvConfig(kind=OE))  # nothing started: the server starts with the first episode
     assert (spec.client.__name__, spec.action.__name__, spec.observation.__name__) == (
-        "ReasoningGymEnv", "ReasoningGymAction", "ReasoningGymObservation")
-    assert spec.environment == "reasoning_gym_env.server.reasoning_gym_environment:ReasoningGymEnvironment"
+        "SumsEnv", "SumsAction", "SumsObservation")
+    assert spec.environment == "megarl.envs.examples.openenv_sums.server.sums_environment:SumsEnvironment"
     assert (spec.prompt_field, spec.answer_field) == ("question", "answer")
+
+
+def test_the_example_openenv_environment_asks_a_seeded_sum_and_scores_its_last_number():
+    from megarl.envs.examples.openenv_sums import SumsAction
+    from megarl.envs.examples.openenv_sums.server.sums_environment import SumsEnvironment
+
+    env = SumsEnvironment()  # in process: the server round trip is tests/test_endpoint.py's
+    asked = env.reset(seed=5)
+    # reasoning-gym 0.1.25's chain_sum at seed 5 (two one-digit terms), read off by hand
+    assert asked.question == "State the final answer to the following arithmetic problem: 8 - 0 =" and not asked.done
+    replies = {"8": 1.0, "The answer is 8.": 1.0, "8 - 0 = 8": 1.0, "8.0": 1.0, "8 = 8 - 0": 0.0,
+               "8 or 9": 0.0, "80": 0.0, "-8": 0.0, "x8": 0.0, "eight": 0.0, "": 0.0}
+    for reply, reward in replies.items():
+        env.reset(seed=5)
+        scored = env.step(SumsAction(answer=reply))
+        assert (scored.reward, scored.done, scored.correct_answer) == (reward, True, "8"), reply
+    bigger = env.reset(seed=5, min_terms=3, max_terms=3, min_digits=2, max_digits=2).question
+    assert [len(t) for t in bigger.split(":")[1].split()[::2]] == [2, 2, 2]  # "98 + 93 - 77 =": three 2-digit terms
+    with pytest.raises(ValueError, match="not \\['digits'\\]"):
+        env.reset(seed=5, digits=2)  # a mistyped reset option fails the episode instead of being dropped

@@ -1,6 +1,7 @@
-"""``env.kind: openenv:<package>``: an OpenEnv environment (a package such as OpenEnv's
-``reasoning_gym_env``: an environment class served by OpenEnv's ``create_app``, its ``EnvClient``,
-its ``Action`` and ``Observation``) played as an agent on the rollout endpoint.
+"""``env.kind: openenv:<package>``: an OpenEnv environment (a package, dotted names allowed, such as
+``megarl.envs.examples.openenv_sums`` or one of OpenEnv's own: an environment class served by
+OpenEnv's ``create_app``, its ``EnvClient``, its ``Action`` and ``Observation``) played as an agent
+on the rollout endpoint.
 
 The run starts the environment's server on loopback (``openenv_server``, a child of the process
 that plays the episodes, killed with it and at exit) and drives each episode through the
@@ -16,7 +17,7 @@ get the same question); the question is the environment's. ``env.options``:
   the one ``EnvClient`` / ``Action`` / ``Observation`` subclass the package exports, and the one
   ``Environment`` subclass in ``<package>.server``
 - ``prompt_field`` (default ``question``), ``answer_field`` (default: the action's one field)
-- ``reset``: keywords of ``reset`` (for reasoning_gym_env: dataset_name, dataset_config, size)
+- ``reset``: keywords of ``reset`` (for openenv_sums: min_terms, max_terms, min_digits, max_digits)
 - ``max_sessions``: the server's concurrent sessions (default 64)
 """
 

@@ -4,7 +4,7 @@
 
 OpenEnv's own ``create_app`` (its HTTP and WebSocket routes) around the environment class,
 served by uvicorn on 127.0.0.1. Built here rather than from the package's ``server.app`` module
-because those fix their session count (reasoning_gym_env's allows one), and a run plays a
+because those fix their session count (some of OpenEnv's allow one), and a run plays a
 step's episodes at once."""
 
 from __future__ import annotations
