@@ -15,7 +15,9 @@ from megarl.validation.checks import validate_run
 ALL_RECIPES = sorted((Path(__file__).parent.parent / "model_configs").glob("*.yaml"))
 # The RLHF pipeline's stages read the previous stage's output (runs/<stage>/final): checked as a chain
 PIPELINE = [r for r in ALL_RECIPES if r.stem.startswith("cpu_rlhf_")]
-RECIPES = [r for r in ALL_RECIPES if r not in PIPELINE]
+# and the distillation recipe's teacher is an SFT run's output (runs/cpu-opd-teacher/final)
+DISTILL = Path(__file__).parent.parent / "model_configs" / "cpu_opd.yaml"
+RECIPES = [r for r in ALL_RECIPES if r not in PIPELINE and r != DISTILL]
 # "# ...: 48 GPUs (6 nodes of 8 x H100 80GB)." in a cluster recipe's first line
 HEADER = re.compile(r"(\d+) GPUs \((\d+) nodes? of (\d+) x (H100 80GB|H200 141GB|A100 80GB)\)")
 GPU_NAMES = {"H100 80GB": "h100-80gb", "H200 141GB": "h200-141gb", "A100 80GB": "a100-80gb"}
@@ -94,3 +96,13 @@ def test_the_rlhf_pipeline_recipes_chain_and_validate_where_their_inputs_exist(s
     assert ppo_cfg.actor.model.path == ppo_cfg.reference.model.path == f"{sft_cfg.output_dir}/final"
     assert ppo_cfg.critic.model.path == ppo_cfg.reward_model.model.path == f"{rm_cfg.output_dir}/final"
     assert [t.eval_only for t in ppo_cfg.rewards] == [False, True] and ppo_cfg.eval.sets
+
+
+def test_the_distillation_recipe_validates_with_its_teacher_in_place(smollm2):
+    """cpu_opd.yaml's teacher is `megarl sft model_configs/cpu_rlhf_sft.yaml output_dir=runs/cpu-opd-teacher`'s
+    output, as its header says; with the bundled model (the same tokenizer) in its place the recipe validates."""
+    cfg = load_config(RunConfig, DISTILL)
+    assert cfg.teacher.model.path == "runs/cpu-opd-teacher/final" and cfg.algorithm.name == "opd"
+    assert "megarl sft model_configs/cpu_rlhf_sft.yaml output_dir=runs/cpu-opd-teacher" in DISTILL.read_text()
+    cfg.teacher.model.path = "bundled:SmolLM2-135M-Instruct"
+    assert set(validate_run(cfg)) == {"actor", "teacher"}
