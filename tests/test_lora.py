@@ -84,3 +84,48 @@ def test_lora_config_errors_name_the_field(tiny_models):
         "actor.lora.dropout must be in [0, 1), got 1.0"]
     assert lora_errors("actor", RoleConfig(lora=replace(LORA, target_modules=[])), dense)[0].startswith(
         "actor.lora.target_modules is empty")
+
+
+def test_lora_checkpoint_resumes_and_exports_what_peft_and_transformers_load(groups, pools, tiny_models, tmp_path):
+    """A tp-2 LoRA actor after a step: its checkpoint (column B / row A split over the two ranks)
+    resumes to the same log-probs, and `mcore_to_hf` writes the merged model (transformers) and a
+    PEFT adapter folder (``PeftModel.from_pretrained`` on the base) that score the tokens as it does."""
+    import peft
+    import transformers
+
+    from megarl.config.schema import OptimizerConfig
+    from megarl.convert import jobs
+    from megarl.workers import checkpoint_fns, megatron_model
+
+    hf_dir, parallel = str(tiny_models["llama"]), ParallelConfig(tp=2, world_size=2)
+    actor, tokens = groups.get("lora", 2), random_tokens(batch=2, seq=24)
+    actor.run(megatron_model.load, key="actor", source=hf_dir, parallel=parallel, lora=LORA)
+    actor.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=25, seed=5), lr=0.05)
+    (trained,) = [r for r in actor.run(lora_jobs.adapted_and_base_logprobs, key="actor", tokens=tokens) if r]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    actor.run(checkpoint_fns.save, key="actor", out_dir=str(ckpt), source=hf_dir)
+    # resume as a run does: the model from its source (fresh adapters, B = 0), then the checkpoint
+    actor.run(megatron_model.load, key="actor", source=hf_dir, parallel=parallel, lora=LORA)
+    actor.run(checkpoint_fns.load, key="actor", ckpt_dir=str(ckpt), optim=OptimizerConfig(lr=0.05))
+    (resumed,) = [r for r in actor.run(lora_jobs.adapted_and_base_logprobs, key="actor", tokens=tokens) if r]
+    actor.shutdown()  # room for the export's ranks
+    pools.get(2).run(jobs.mcore_to_hf, ckpt_dir=str(ckpt), out_dir=str(tmp_path / "out"), parallel=parallel)
+
+    def scored(model) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(tokens).logits.float()
+        return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    merged = scored(load(tmp_path / "out", dtype=torch.float32, attn_implementation="eager"))
+    base = load(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    adapted = scored(peft.PeftModel.from_pretrained(base, tmp_path / "out" / "adapter"))
+    moved = (trained["adapted"] - trained["base"]).abs().max().item()
+    diffs = {"resumed": (resumed["adapted"] - trained["adapted"]).abs().max().item(),
+             "merged (transformers)": (merged - trained["adapted"]).abs().max().item(),
+             "adapter (PEFT)": (adapted - trained["adapted"]).abs().max().item()}
+    print(f"LoRA checkpoint at tp 2: adapters moved log-probs by {moved:.2e}; max |dlogprob| vs the actor: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    assert moved > 100 * TOL  # a checkpoint that lost the adapters (or rank 1's half) would fail below
+    assert diffs["resumed"] == 0.0 and diffs["merged (transformers)"] <= TOL and diffs["adapter (PEFT)"] <= TOL

@@ -104,10 +104,12 @@ def write_meta(ckpt_dir: str | Path, arch: ModelArch, padded_vocab: int, dtype: 
 
 
 def model_sharded_state_dict(chunks: list) -> dict:
+    from megarl.models.lora import shard_adapter_entries
+
     bare = [getattr(chunk, "module", chunk) for chunk in chunks]  # megatron DDP wraps the model
     if len(bare) == 1:
-        return {"model": bare[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(bare)}
+        return {"model": shard_adapter_entries(bare[0].sharded_state_dict())}
+    return {f"model{i}": shard_adapter_entries(chunk.sharded_state_dict()) for i, chunk in enumerate(bare)}
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megarl.config.schema import ParallelConfig, PrecisionConfig
 from megarl.convert.checkpoint import HF_DIR, load_model, read_meta, save_model, write_meta
 from megarl.convert.hf_io import HFReader, HFWriter, copy_side_files
+from megarl.convert.lora_export import ADAPTER_DIR, merge_into_base, read_lora_meta, save_peft_adapter
 from megarl.convert.weights import export_hf_tensors, load_hf_weights
 from megarl.distributed.parallel import megatron_parallel
 from megarl.models.forward import forward_outputs, full_logits
@@ -73,6 +74,18 @@ def hf_to_mcore(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str,
     return memory.stats(weights, bytes_read=reader.bytes_read, params_loaded=loaded)
 
 
+def _load_checkpoint(chunks: list, spec: ModelSpec, info, ckpt_dir: str) -> bool:
+    """Fills ``chunks`` from ``ckpt_dir``, with the adapters of a LoRA checkpoint (``lora.json``)
+    built first so that theirs load too; whether it was one."""
+    lora = read_lora_meta(ckpt_dir)
+    if lora is not None:
+        from megarl.models.lora import apply_lora
+
+        apply_lora(chunks, spec, info.tp_rank, info.tp, lora)
+    load_model(chunks, ckpt_dir)
+    return lora is not None
+
+
 def mcore_to_hf(ckpt_dir: str, out_dir: str, parallel: ParallelConfig,
                 dtype: str | None = None, max_shard_bytes: int = 5 * 1024**3) -> dict[str, Any]:
     memory = _Memory()
@@ -80,7 +93,10 @@ def mcore_to_hf(ckpt_dir: str, out_dir: str, parallel: ParallelConfig,
     out_dtype = TORCH_DTYPES[dtype or spec.precision.dtype]
     with megatron_parallel(parallel) as info:
         chunks = build_model_chunks(spec)
-        load_model(chunks, ckpt_dir)
+        if _load_checkpoint(chunks, spec, info, ckpt_dir):
+            # a LoRA checkpoint: its adapters as PEFT saves them, and the merged model beside them
+            save_peft_adapter(chunks, Path(out_dir) / ADAPTER_DIR, base_model=read_meta(ckpt_dir)["source"])
+            merge_into_base(chunks)
         writer = HFWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
         export_hf_tensors(chunks, spec, info, writer.add if writer else (lambda n, t: None), out_dtype)
         if writer is not None:
@@ -159,7 +175,7 @@ def checkpoint_logits(ckpt_dir: str, parallel: ParallelConfig, tokens: torch.Ten
     spec = spec_from_checkpoint(ckpt_dir, parallel, dtype="float32")
     with megatron_parallel(parallel) as info:
         chunks = build_model_chunks(spec)
-        load_model(chunks, ckpt_dir)
+        _load_checkpoint(chunks, spec, info, ckpt_dir)
         return {"logits": _on_reporting_rank(info, _outputs(chunks, spec, tokens, num_microbatches))}
 
 

@@ -289,3 +289,27 @@ def assemble(pieces: list[Piece]) -> dict[str, torch.Tensor]:
             out[key] = torch.zeros(shape)
         out[key].narrow(dim, offset, value.shape[dim]).copy_(value)
     return out
+
+
+def shard_adapter_entries(state: dict) -> dict:
+    """Rewrites the adapters' entries of a megatron-core sharded state dict in place: the base
+    linear's ``sharded_state_dict`` takes every child tensor it does not know for a replica of
+    tensor rank 0's, so the tensor-parallel-split A or B of ranks > 0 would be dropped on save
+    and overwritten with rank 0's on load. Each split one becomes its rank's slice of the whole
+    along its split axis, as the base weight is."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
+
+    for key, value in state.items():
+        if isinstance(value, dict):
+            shard_adapter_entries(value)
+        elif isinstance(value, ShardedTensor) and is_adapter(value.key) \
+                and getattr(value.data, "tensor_model_parallel", False):
+            # the prepended axes (the layer's index under pipeline parallelism) are one wide: the
+            # offset is the fragment's index
+            offsets = tuple((axis, value.global_offset[axis], value.axis_fragmentations[axis])
+                            for axis in range(value.prepend_axis_num))
+            state[key] = make_tp_sharded_tensor_for_checkpoint(value.data, value.key, value.data.partition_dim,
+                                                               prepend_offsets=offsets)
+    return state
+

@@ -23,6 +23,7 @@ from megarl.convert.checkpoint import (
     model_sharded_state_dict,
     write_meta,
 )
+from megarl.convert.lora_export import write_lora_meta
 from megarl.platform.safe_checkpoint import load_weights_only
 from megarl.workers.megatron_model import held
 
@@ -97,6 +98,7 @@ def save(key: str, out_dir: str, source: str) -> None:
         copy_side_files(hf_side_dir(source), Path(out_dir) / HF_DIR)
         write_meta(out_dir, spec.arch, spec.padded_vocab, spec.precision.dtype, spec.parallel, spec.value_head,
                    source=source)
+        write_lora_meta(out_dir, model.chunks)  # a LoRA model's adapters, for whoever reads it back
     dist.barrier()
 
 
