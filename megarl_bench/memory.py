@@ -73,6 +73,7 @@ class Case:
     seq_len: int = 128
     recompute: str = "none"  # none | selective | full (uniform, recompute_layers per unit) | block
     recompute_layers: int = 1
+    lora_rank: int = 0  # > 0: LoRA on every target, the base frozen
 
     @property
     def dp(self) -> int:
@@ -82,6 +83,8 @@ class Case:
         extra = f" ep={self.ep}" if self.ep > 1 else ""
         if self.recompute != "none":
             extra += f" rc={self.recompute}" + (f"/{self.recompute_layers}" if self.recompute != "selective" else "")
+        if self.lora_rank:
+            extra += f" lora={self.lora_rank}"
         return f"{self.model} tp={self.tp} pp={self.pp} dp={self.dp}{extra} {self.dtype}"
 
     def recompute_config(self):
@@ -110,6 +113,9 @@ CASES = [
     Case("small", world=2, dtype="bfloat16", recompute="full", recompute_layers=2),
     Case("small", world=2, dtype="bfloat16", recompute="block", recompute_layers=4),
     Case("small", world=2, dtype="bfloat16", recompute="selective"),
+    # LoRA against the full fine-tuning of the same model (``--only small``): adapters train, the base is frozen
+    Case("small", world=2, dtype="bfloat16", lora_rank=8),
+    Case("small", tp=2, world=2, dtype="bfloat16", lora_rank=8),
 ]
 QUICK_CASES = [Case("tiny", tp=2, world=2), Case("small", pp=2, world=2, dtype="bfloat16")]
 
@@ -119,7 +125,7 @@ def _storage_ptr(t) -> int:
 
 
 def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_batch: int,
-                 seq_len: int, recompute=None) -> dict | None:
+                 seq_len: int, recompute=None, lora_rank: int = 0) -> dict | None:
     """On every rank of an SpmdPool: build, step once, measure. Returns one rank per pipeline stage."""
     import weakref
 
@@ -134,7 +140,13 @@ def measure_rank(arch: ModelArch, tp: int, pp: int, ep: int, dtype: str, micro_b
     par = ParallelConfig(tp=tp, pp=pp, ep=ep, world_size=world)
     with megatron_parallel(par) as info:
         spec = ModelSpec(arch, par, PrecisionConfig(dtype), recompute=recompute)
-        chunks = wrap_ddp(build_model_chunks(spec), use_distributed_optimizer=True)
+        chunks = build_model_chunks(spec)
+        if lora_rank:
+            from megarl.config.lora import LoraConfig
+            from megarl.models.lora import apply_lora
+
+            apply_lora(chunks, spec, info.tp_rank, info.tp, LoraConfig(rank=lora_rank))
+        chunks = wrap_ddp(chunks, use_distributed_optimizer=True)
         optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-4, use_distributed_optimizer=True))
         params = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
         buffers = [buf for chunk in chunks for buf in list(chunk.buffers) + list(chunk.expert_parallel_buffers)]
@@ -214,7 +226,7 @@ def estimate(case: Case, stage: int) -> dict[str, float]:
     work = Workload(dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len, attention="sdpa",
                     recompute="full" if case.recompute == "block" else case.recompute,
                     recompute_method=method, recompute_layers=case.recompute_layers,
-                    recompute_modules=SELECTIVE_MODULES)
+                    recompute_modules=SELECTIVE_MODULES, lora_rank=case.lora_rank)
     rank = trained_rank(MODELS[case.model], layout, work, stage, microbatches=1)
     return {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
             "activations": rank.activations_per_microbatch}
@@ -244,7 +256,7 @@ def run_memory_bench(cases: list[Case], tolerance: float = 0.15, progress=print)
                 progress(f"  {case.label()}")
                 results = pool.run(measure_rank, arch=MODELS[case.model], tp=case.tp, pp=case.pp, ep=case.ep,
                                    dtype=case.dtype, micro_batch=case.micro_batch, seq_len=case.seq_len,
-                                   recompute=case.recompute_config())
+                                   recompute=case.recompute_config(), lora_rank=case.lora_rank)
                 for measured in sorted((r for r in results if r), key=lambda r: r["stage"]):
                     rows += compare(case, measured, tolerance)
     return rows

@@ -121,12 +121,31 @@ def test_8b_plan_fits_its_gpus():
 
 
 def test_measured_memory_matches_model_on_two_ranks(starts_processes):
-    """One real megatron-core case (tiny model, tp=2, fp32): every component within 15%."""
+    """One real megatron-core case (tiny model, tp=2, fp32), full and LoRA: every component within 15%."""
     from megarl_bench.memory import Case, run_memory_bench
 
-    rows = run_memory_bench([Case("tiny", tp=2, world=2)], tolerance=0.15, progress=lambda *a: None)
+    # ... and the same model with LoRA adapters (the base frozen), in the same two ranks
+    rows = run_memory_bench([Case("tiny", tp=2, world=2), Case("tiny", tp=2, world=2, lora_rank=4)], tolerance=0.15,
+                            progress=lambda *a: None)
     assert {r["component"] for r in rows} == {"weights", "gradients", "optimizer", "activations", "total"}
     assert all(r["ok"] for r in rows), rows
+
+
+def test_lora_trains_only_the_adapters_in_the_plan():
+    """Llama-3.1-8B, LoRA rank 16 on all seven targets, bf16, no distributed optimizer: gradients
+    (fp32) and optimizer state (Adam's moments + fp32 main copy) cover r * (in + out) per target
+    and layer only, counted by hand; the frozen base's bf16 weights stay."""
+    from megarl.plan.memory import Layout, Workload, trained_rank
+
+    arch, layout = load_arch("llama3.1-8b"), Layout(tp=1, pp=1, dp=1)
+    full = trained_rank(arch, layout, Workload(distributed_optimizer=False), 0)
+    lora = trained_rank(arch, layout, Workload(distributed_optimizer=False, lora_rank=16), 0)
+    h, kv, ffn = 4096, 1024, 14336
+    per_layer = 16 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + ffn) + (ffn + h))
+    adapters = 32 * per_layer
+    assert lora.gradients == adapters * 4 and lora.optimizer == adapters * 12
+    assert lora.weights == full.weights + adapters * 2 and lora.params == full.params + adapters
+    assert full.optimizer / lora.optimizer > 100
 
 
 def test_qwen3_counts_its_qk_norms_whole_on_every_rank():

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from megarl.models.arch import family_of
 from megarl.models.hf_arch import ModelArch
+from megarl.plan.lora_memory import layer_adapter_tensors
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")
@@ -99,6 +100,8 @@ class Workload:
     recompute_layers: int = 1  # full: layers per unit (uniform) or recomputed layers per stage (block)
     recompute_modules: tuple[str, ...] = ("core_attn",)  # selective
     offload_fraction: float = 0.0  # of the optimizer shard kept on the host (0: no offload)
+    lora_rank: int = 0  # > 0: LoRA, the base frozen; only the adapters train (megarl.plan.lora_memory)
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -302,13 +305,18 @@ class RankMemory:
 def trained_rank(arch: ModelArch, layout: Layout, work: Workload, stage: int, microbatches: int = 1,
                  value_head: bool = False, pad_multiple: int = 128) -> RankMemory:
     """A trained role's memory on one rank of pipeline ``stage`` (any tp/dp rank: they match)."""
-    dense, expert = stage_tensors(arch, layout, stage, value_head, pad_multiple)
+    base_dense, base_expert = stage_tensors(arch, layout, stage, value_head, pad_multiple)
+    dense, expert, frozen = base_dense, base_expert, 0.0
+    if work.lora_rank:  # only the adapters train: the base is plain frozen weights, outside DDP
+        layers = stage_layer_counts(arch.num_layers, layout)[stage]
+        dense = layer_adapter_tensors(arch, layout.tp, work.lora_rank, work.lora_targets) * layers
+        expert, frozen = [], (sum(base_dense) + sum(base_expert)) * work.elem
     dist = work.distributed_optimizer
     dense_buf = grad_buffer_numel(dense, layout.dp * layout.cp, dist)
     expert_buf = grad_buffer_numel(expert, layout.expert_dp, dist)
     e = work.elem
     # The distributed optimizer keeps the bf16 weights inside DDP's (padded) param buffer.
-    weights = (dense_buf + expert_buf) * e if dist and e != 4 else (sum(dense) + sum(expert)) * e
+    weights = frozen + ((dense_buf + expert_buf) * e if dist and e != 4 else (sum(dense) + sum(expert)) * e)
     per_param = 8 + (4 if e != 4 else 0)  # Adam moments + fp32 main params for half precision
     if dist:
         optimizer = per_param * (dense_buf / (layout.dp * layout.cp) + expert_buf / layout.expert_dp)
@@ -332,7 +340,8 @@ def trained_rank(arch: ModelArch, layout: Layout, work: Workload, stage: int, mi
     logits = logits_transient_bytes(arch, layout, work, pad_multiple) if last and not value_head else 0.0
     # in-flight micro-batches hold their saved tensors; only one unit is recomputed at a time
     activations = act + (act - unit if unit > head else act) * (held - 1)
-    return RankMemory(params=sum(dense) + sum(expert), weights=weights, gradients=(dense_buf + expert_buf) * 4,
+    params = sum(base_dense) + sum(base_expert) + (sum(dense) if work.lora_rank else 0)
+    return RankMemory(params=params, weights=weights, gradients=(dense_buf + expert_buf) * 4,
                       optimizer=optimizer, activations_per_microbatch=act, activations=activations, logits=logits,
                       optimizer_host=host)
 

@@ -75,7 +75,8 @@ def evaluate_recipe(cfg: RunConfig, archs: dict[str, ModelArch], gpu: GpuSpec, e
             rc = role.recompute
             saver = Saver(rc.granularity, rc.method, rc.num_layers,
                           role.optim.offload_fraction if role.optim.cpu_offload else 0.0)
-            work = replace(saver.workload(work), recompute_modules=tuple(rc.modules))
+            work = replace(saver.workload(work), recompute_modules=tuple(rc.modules),
+                           lora_rank=role.lora.rank, lora_targets=tuple(role.lora.target_modules))
             micro = max(1, rl.sequences // (layout.dp * rl.minibatches * role.micro_batch_size))
             mem = trained_memory(arch, layout, work, micro, value_head=TRAINED[name])
             cost = saver.cost(max(stage_layer_counts(arch.num_layers, layout)))
