@@ -48,7 +48,10 @@ def test_the_outside_endpoint_needs_a_token_off_loopback():
     assert not is_loopback("10.0.0.1") and not is_loopback("example.org")
     cfg = RunConfig()
     cfg.rollout.endpoint = EndpointConfig(port=8100, host="10.1.2.3")
-    assert len(env_setting_errors(cfg)) == 1
+    no_token, not_built = env_setting_errors(cfg)
+    assert "rollout.endpoint.token" in no_token and "not built yet" in not_built
+    cfg.rollout.endpoint = EndpointConfig(port=8100)  # the rules pass; binding it is refused, not ignored
+    assert ["not built yet" in e for e in env_setting_errors(cfg)] == [True]
 
 
 OE = "openenv:megarl.envs.examples.openenv_sums"

@@ -29,12 +29,22 @@ def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
     ]
 
 
-def env_setting_errors(cfg: RunConfig) -> list[str]:
+def _endpoint_errors(cfg: RunConfig) -> list[str]:
     from megarl.config.endpoint import endpoint_errors
 
+    errors = endpoint_errors(cfg.rollout.endpoint)
+    if cfg.rollout.endpoint.port is not None:
+        # refused rather than accepted and ignored: the endpoint is pumped by the engine's own agent
+        # episodes on a private loopback port, and has no sessions for a caller from outside
+        errors.append(f"rollout.endpoint.port={cfg.rollout.endpoint.port}: serving the endpoint to callers outside "
+                      "the run is not built yet (it serves the run's own agents); leave it unset")
+    return errors
+
+
+def env_setting_errors(cfg: RunConfig) -> list[str]:
     env = cfg.env
     if env is None:
-        return endpoint_errors(cfg.rollout.endpoint)
+        return _endpoint_errors(cfg)
     from megarl.envs.agent import is_adapter
     from megarl.envs.registry import ENV_KINDS
     from megarl.envs.tool_parsers.registry import PARSERS
@@ -76,7 +86,7 @@ def env_setting_errors(cfg: RunConfig) -> list[str]:
     if any(term.kind == "model" for term in cfg.rewards):
         errors.append("rewards: a model term cannot score episodes (the environment scores them with the text "
                       "terms); remove it or env")
-    return errors + endpoint_errors(cfg.rollout.endpoint)
+    return errors + _endpoint_errors(cfg)
 
 
 def _agent_errors(cfg: RunConfig) -> list[str]:
