@@ -97,8 +97,17 @@ def test_the_update_moves_each_token_towards_the_teacher():
 
 def test_the_step_logs_the_reverse_kl_per_policy_token():
     metrics = teacher_metrics(STUDENT, TEACHER, MASK)
-    # (s - t) on the 5 policy tokens: -0.5, 1, 0, 1, 3 -> 4.5 / 5; the teacher's: -9.2 / 5
-    assert metrics == pytest.approx({"distill/reverse_kl": 0.9, "distill/teacher_logprob": -1.84})
+    # (s - t) on the 5 policy tokens: -0.5, 1, 0, 1, 3 -> 4.5 / 5; per sequence (-0.5 + 1 + 0, 1 + 3)
+    # -> (0.5 + 4) / 2; the teacher's: -9.2 / 5
+    assert metrics == pytest.approx({"distill/reverse_kl": 0.9, "distill/reverse_kl_seq": 2.25,
+                                     "distill/teacher_logprob": -1.84})
+    # a shorter answer with the same sequence KL has the larger per-token one: only _seq compares them
+    short = teacher_metrics(torch.tensor([[-0.1, -0.1, 0.0]]), torch.tensor([[-3.0, -0.1, 0.0]]),
+                            torch.tensor([[1.0, 1.0, 0.0]]))
+    long = teacher_metrics(torch.tensor([[-0.1, -0.1, -0.1, -0.1]]), torch.tensor([[-3.0, -0.1, -0.1, -0.1]]),
+                           torch.ones(1, 4))
+    assert short["distill/reverse_kl_seq"] == pytest.approx(long["distill/reverse_kl_seq"]) == pytest.approx(2.9)
+    assert short["distill/reverse_kl"] == pytest.approx(1.45) and long["distill/reverse_kl"] == pytest.approx(0.725)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -23,7 +23,14 @@ def reverse_kl_advantages(student: torch.Tensor, teacher: torch.Tensor, mask: to
 
 def teacher_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """What a step logs of the teacher: the student's reverse KL to it per response token (k1, the
-    mean of ``log pi - log pi_teacher`` over the student's samples; falls as the student learns) and
-    the teacher's mean log-prob of the student's tokens (rises as the student writes what it would)."""
+    mean of ``log pi - log pi_teacher`` over the student's tokens), the same per sequence (each
+    sample's sum, averaged over samples: KL(pi(y|x) || pi_teacher(y|x))), and the teacher's mean
+    log-prob of the student's tokens. Both KLs: the per-token one can rise while the student learns,
+    when its answers shorten towards a terse teacher's (fewer tokens share the answer's KL), and
+    only the per-sequence one says whether the distributions over whole answers came closer."""
+    diff = (student.float() - teacher.float()) * mask
+    answered = mask.sum(dim=1) > 0
+    per_sequence = diff.sum(dim=1)[answered].mean() if answered.any() else torch.zeros(())
     return {"distill/reverse_kl": float(masked_mean(student.float() - teacher.float(), mask)),
+            "distill/reverse_kl_seq": float(per_sequence),
             "distill/teacher_logprob": float(masked_mean(teacher.float(), mask))}

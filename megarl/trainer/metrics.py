@@ -85,6 +85,7 @@ PLOTS = {
     "reward": ("reward/mean", "mean reward"),
     "kl": ("kl/mean", "KL(actor || reference)"),
     "reverse_kl": ("distill/reverse_kl", "reverse KL(student || teacher) per token"),  # distillation only
+    "reverse_kl_seq": ("distill/reverse_kl_seq", "reverse KL(student || teacher) per sequence"),
     "response_length": ("response/length_mean", "response tokens"),
     "tool_calls": ("tool/call_fraction", "episodes that call a tool"),  # multi-turn runs only
     # the supervised stages (megarl sft / rm / dpo)
