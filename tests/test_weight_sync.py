@@ -32,7 +32,9 @@ def rollout_models(rollout_model, tmp_path_factory):
     """Each family's tiny model, and the prefix of its engines' names in ``engines``."""
     # Qwen3: QK-norm, and head_dim 32 where hidden 64 / 4 heads = 16 (conftest's tiny Qwen3)
     qwen3 = build_tiny_hf("qwen3", tmp_path_factory.mktemp("rollout") / "qwen3")
-    return {"llama": (rollout_model, "tiny"), "qwen3": (qwen3, "qwen3")}
+    # Gemma-3: (1 + w) norms, four per layer, windowed and global layers (conftest's tiny Gemma-3)
+    gemma3 = build_tiny_hf("gemma3_text", tmp_path_factory.mktemp("rollout") / "gemma3")
+    return {"llama": (rollout_model, "tiny"), "qwen3": (qwen3, "qwen3"), "gemma3_text": (gemma3, "gemma3")}
 
 
 class _Engines(dict):
@@ -54,7 +56,7 @@ class _Engines(dict):
 
 @pytest.fixture(scope="module")
 def engines(ray_session, rollout_models, smollm2):
-    # llama at vLLM TP 1 and 2; qwen3 (whose family-specific part is its QK-norms) at TP 2
+    # llama at vLLM TP 1 and 2; qwen3 (whose family-specific part is its QK-norms) and gemma3 at TP 2
     models = {f"{prefix}-tp{tp}": (str(model), tp, 256)
               for model, prefix in rollout_models.values() for tp in ((1, 2) if prefix == "tiny" else (2,))}
     models["smollm2-tp1"] = (str(smollm2), 1, 512)
@@ -82,10 +84,11 @@ def _sync_and_verify(actor, engine, tokens, checksums=True, same_device="auto"):
 
 # Every (family, tp, pp, vLLM TP) of {llama, qwen3} x {1, 2}^2 x {1, 2} ran once (all passed); the suite
 # keeps each actor layout against each vLLM TP for llama, where the other cases' code is shared, less
-# tp1 pp1 -> TP 1 (the identity, every other case's pieces), and qwen3 at tp 2 (its QK-norms replicated).
+# tp1 pp1 -> TP 1 (the identity, every other case's pieces), qwen3 at tp 2 (its QK-norms replicated),
+# and gemma3 at tp2 pp2 -> TP 2 (its extra norms replicated, both kinds of attention layer on the last stage).
 @pytest.mark.parametrize("family,tp,pp,rollout_tp", [
     ("llama", 1, 1, 2), ("llama", 2, 1, 1), ("llama", 2, 1, 2), ("llama", 1, 2, 1), ("llama", 1, 2, 2),
-    ("llama", 2, 2, 1), ("llama", 2, 2, 2), ("qwen3", 2, 1, 2), ("qwen3", 2, 2, 2)])
+    ("llama", 2, 2, 1), ("llama", 2, 2, 2), ("qwen3", 2, 1, 2), ("qwen3", 2, 2, 2), ("gemma3_text", 2, 2, 2)])
 def test_sync_after_a_training_step(family, tp, pp, rollout_tp, actor4, engines, rollout_models):
     # (Qwen3's QK-norms are trained too: at tp=2 the actor's replicas must agree for vLLM's one copy to fit.)
     model, prefix = rollout_models[family]
