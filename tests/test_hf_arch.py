@@ -570,3 +570,13 @@ def test_gemma3_block_options(cfg):
 def test_gemma3_refusals_name_the_field(change, message):
     with pytest.raises(ArchError, match=r"^g/config\.json: " + message):
         arch_from_hf_config({**GEMMA3, **change}, source="g/config.json")
+
+
+def test_family_fields_in_extra_are_compared():
+    # Gemma-3's global layers live in ModelArch.extra: a checkpoint whose layers are all windowed
+    # is not the architecture of a config with a global layer, though every common field agrees
+    a = arch_from_hf_config(GEMMA3)
+    b = arch_from_hf_config({**GEMMA3, "layer_types": ["sliding_attention", "sliding_attention"]})
+    assert a.mismatches(b) == ["extra.global_layers: [1] != []"]
+    # a field only one side holds (written before a family read it) is no mismatch
+    assert not [m for m in a.mismatches(arch_from_hf_config(LLAMA)) if m.startswith("extra.")]

@@ -15,6 +15,7 @@ use, so the registry is full before anything can look a family up.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -110,13 +111,20 @@ class ModelArch:
         return self.num_layers * (sum(dense) + sum(expert)) + embed + self.hidden_size  # + final norm
 
     def mismatches(self, other: ModelArch) -> list[str]:
-        """Fields that differ between two architectures (dtype excluded), as 'name: a != b'."""
+        """Fields that differ between two architectures (dtype excluded), as 'name: a != b'; of the
+        families' ``extra`` fields (Gemma-3's global layers, a shared expert's width), those both
+        sides hold: one written before a family read a field has no value to compare."""
         mine, theirs = self.to_dict(), other.to_dict()
-        return [
+        differ = [
             f"{key}: {mine[key]!r} != {theirs[key]!r}"
             for key in mine
             if key not in ("dtype", "extra") and mine[key] != theirs[key]
         ]
+        # compared as a checkpoint's megarl.json holds them (a tuple read back is a list)
+        mine_extra, theirs_extra = json.loads(json.dumps(self.extra)), json.loads(json.dumps(other.extra))
+        return differ + [f"extra.{key}: {mine_extra[key]!r} != {theirs_extra[key]!r}"
+                         for key in sorted(mine_extra.keys() & theirs_extra.keys())
+                         if mine_extra[key] != theirs_extra[key]]
 
 
 class Family(Protocol):
