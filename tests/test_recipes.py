@@ -99,10 +99,14 @@ def test_the_rlhf_pipeline_recipes_chain_and_validate_where_their_inputs_exist(s
 
 
 def test_the_distillation_recipe_validates_with_its_teacher_in_place(smollm2):
-    """cpu_opd.yaml's teacher is `megarl sft model_configs/cpu_rlhf_sft.yaml output_dir=runs/cpu-opd-teacher`'s
-    output, as its header says; with the bundled model (the same tokenizer) in its place the recipe validates."""
+    """cpu_opd.yaml's teacher is what its header's commands make (the base's own correct answers by
+    scripts/rejection_sample_chain_sum.py, then `megarl sft ... output_dir=runs/cpu-opd-teacher`); with
+    the bundled model (the same tokenizer) in its place the recipe validates."""
     cfg = load_config(RunConfig, DISTILL)
     assert cfg.teacher.model.path == "runs/cpu-opd-teacher/final" and cfg.algorithm.name == "opd"
-    assert "megarl sft model_configs/cpu_rlhf_sft.yaml output_dir=runs/cpu-opd-teacher" in DISTILL.read_text()
+    header = DISTILL.read_text()
+    assert "python scripts/rejection_sample_chain_sum.py runs/cpu-opd-teacher-data.jsonl" in header
+    assert "data.train=runs/cpu-opd-teacher-data.jsonl" in header and "output_dir=runs/cpu-opd-teacher\n" in header
+    assert (DISTILL.parent.parent / "scripts" / "rejection_sample_chain_sum.py").is_file()
     cfg.teacher.model.path = "bundled:SmolLM2-135M-Instruct"
     assert set(validate_run(cfg)) == {"actor", "teacher"}
