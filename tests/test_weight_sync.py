@@ -94,7 +94,14 @@ def test_sync_after_a_training_step(family, tp, pp, rollout_tp, actor4, engines,
     model, prefix = rollout_models[family]
     actor4.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig(tp=tp, pp=pp, world_size=4))
     actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=tp * 10 + pp))
-    report, verified = _sync_and_verify(actor4, engines[f"{prefix}-tp{rollout_tp}"], random_tokens(batch=2, seq=32))
+    name = f"{prefix}-tp{rollout_tp}"
+    try:
+        report, verified = _sync_and_verify(actor4, engines[name], random_tokens(batch=2, seq=32))
+    finally:
+        if family == "gemma3_text":  # its one case: stopped at once, or the module's engines outgrow 24 GiB
+            import ray
+
+            ray.kill(engines.pop(name))
     assert report.received == report.needed and report.bytes_ratio == 1.0
     assert report.checksum_mismatches == []
     assert report.peak_staging_bytes <= BUCKET
