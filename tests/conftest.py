@@ -446,3 +446,17 @@ def smollm2() -> Path:
     from megarl.models.bundled import smollm2_path
 
     return smollm2_path()
+
+
+def assert_env_kind_refused_in_one_line(kind: str, options: dict, match: str) -> None:
+    """``env.kind`` (with ``env.options``) cannot load: ``load_agent`` raises one line matching
+    ``match``, and validation reports it as one ``env.kind: ...`` line."""
+    from megarl.config.schema import EnvConfig, RunConfig
+    from megarl.envs.agent import load_agent
+    from megarl.validation.env_checks import env_setting_errors
+
+    with pytest.raises(ValueError, match=match) as refused:
+        load_agent(EnvConfig(kind=kind, options=options))
+    assert "\n" not in str(refused.value)
+    errors = env_setting_errors(RunConfig(env=EnvConfig(kind=kind, options=options)))
+    assert len(errors) == 1 and errors[0].startswith("env.kind: ") and "\n" not in errors[0]

@@ -4,6 +4,7 @@ object it names, checked before start with one line naming what is wrong."""
 from __future__ import annotations
 
 import pytest
+from conftest import assert_env_kind_refused_in_one_line
 
 from megarl.config.schema import EnvConfig, RunConfig
 from megarl.envs.agent import load_agent
@@ -43,11 +44,7 @@ def test_the_example_agent_loads_and_a_class_or_a_built_in_kind_is_no_agent():
     ("test_agent_kind:missing", {}, "has no 'missing'"),
 ])
 def test_what_cannot_be_an_agent_is_refused_in_one_line(kind, options, match):
-    with pytest.raises(ValueError, match=match) as refused:
-        load_agent(EnvConfig(kind=kind, options=options))
-    assert "\n" not in str(refused.value)
-    errors = env_setting_errors(RunConfig(env=EnvConfig(kind=kind, options=options)))
-    assert len(errors) == 1 and errors[0].startswith("env.kind: ") and "\n" not in errors[0]
+    assert_env_kind_refused_in_one_line(kind, options, match)
 
 
 def test_an_agent_run_is_checked_for_what_the_endpoint_cannot_do_yet():

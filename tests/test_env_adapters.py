@@ -5,6 +5,7 @@ tests/test_endpoint.py.)"""
 from __future__ import annotations
 
 import pytest
+from conftest import assert_env_kind_refused_in_one_line
 
 from megarl.config.endpoint import EndpointConfig, endpoint_errors, is_loopback
 from megarl.config.schema import EnvConfig, RunConfig
@@ -22,11 +23,7 @@ VF = "verifiers:megarl.envs.examples.vf_chain_sum"
     (VF, {"min_terms": 2, "size": 0}, "load_environment failed"),
 ])
 def test_a_verifiers_environment_that_cannot_load_is_refused_in_one_line(kind, options, match):
-    with pytest.raises(ValueError, match=match) as refused:
-        load_agent(EnvConfig(kind=kind, options=options))
-    assert "\n" not in str(refused.value)
-    errors = env_setting_errors(RunConfig(env=EnvConfig(kind=kind, options=options)))
-    assert len(errors) == 1 and errors[0].startswith("env.kind: ") and "\n" not in errors[0]
+    assert_env_kind_refused_in_one_line(kind, options, match)
 
 
 def test_a_verifiers_environment_is_an_agent_checked_as_one():
