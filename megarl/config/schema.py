@@ -40,6 +40,7 @@ Resume = Literal["auto", "never"]
 VerifySync = Literal["first", "every", "never"]
 Schedule = Literal["exact", "opportunistic"]
 CpuCores = Literal["auto", "bundle"]
+Snapshot = Literal["none", "memory"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 FP8_FORMATS: tuple[str, ...] = get_args(Fp8Format)
@@ -259,6 +260,16 @@ class RolloutConfig:
     expert_parallel: bool = False
     # The OpenAI-compatible endpoint agent episodes talk to, bound for outside callers (off by default)
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    # Engine faults (a dead core or worker, a hang): the engine's unfinished work goes to the
+    # others, a new engine starts on the same resources and takes the current weights before it
+    # serves. At most this many restarts per run (with a back-off between them).
+    max_engine_restarts: int = 2
+    # Past max_engine_restarts the run goes on with the engines left while at least this many
+    # are; with fewer it ends naming the engine that died.
+    min_engines: int = 1
+    # A request that makes no progress (no new token, no finished turn) for this long is sent to
+    # another engine and the late answer dropped (a straggler); its engine is checked for a hang.
+    request_timeout_s: float = 300.0
 
 
 @dataclass
@@ -409,6 +420,14 @@ class TrainerConfig:
     # reward model predicts the score of a finished answer at every token, not the value of a
     # partial one: its first advantages would push the actor around with that error.
     critic_warmup: int = 0
+    # Trainer faults (a Megatron rank that dies): the roles are torn down and brought back from
+    # the last checkpoint, or with snapshot: memory from a copy of their state taken in host
+    # memory after each step (at most one step lost), up to this many times per run. 0: a rank's
+    # death ends the run, and re-running the command resumes from the last checkpoint.
+    max_restarts: int = 0
+    # Where a restart takes the roles' state from. none: the last checkpoint on disk; memory: a copy
+    # in host memory taken after every step (at most one step lost, at the cost of one copy).
+    snapshot: Snapshot = "none"
 
 
 @dataclass

@@ -103,6 +103,10 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("trainer.watchdog_interval_s", tr.watchdog_interval_s, "(0, inf)"),
         ("trainer.max_staleness", tr.max_staleness, "[0, inf)"),
         ("trainer.critic_warmup", tr.critic_warmup, "[0, inf)"),
+        ("trainer.max_restarts", tr.max_restarts, "[0, inf)"),
+        ("rollout.max_engine_restarts", r.max_engine_restarts, "[0, inf)"),
+        ("rollout.min_engines", r.min_engines, "[1, inf)"),
+        ("rollout.request_timeout_s", r.request_timeout_s, "(0, inf)"),
     ]
     for i, term in enumerate(cfg.rewards):
         checks += [
@@ -123,6 +127,8 @@ def range_errors(cfg: RunConfig) -> list[str]:
         errors.append(f"rollout.n={r.n}: a prompt's samples are generated together on one engine, which batches "
                       f"at most rollout.max_num_seqs={r.max_num_seqs} sequences ({GROUP_ROUNDS} rounds of it: "
                       f"{GROUP_ROUNDS * r.max_num_seqs}); lower n or raise max_num_seqs")
+    if r.min_engines > r.engines >= 1:
+        errors.append(f"rollout.min_engines={r.min_engines} is more than the run's rollout.engines={r.engines}")
     if problem := instruction_problem("data.instruction", data.source, data.instruction):
         errors.append(problem)
     return errors
