@@ -99,3 +99,27 @@ def test_the_example_openenv_environment_asks_a_seeded_sum_and_scores_its_last_n
     assert [len(t) for t in bigger.split(":")[1].split()[::2]] == [2, 2, 2]  # "98 + 93 - 77 =": three 2-digit terms
     with pytest.raises(ValueError, match="not \\['digits'\\]"):
         env.reset(seed=5, digits=2)  # a mistyped reset option fails the episode instead of being dropped
+
+
+def test_openenvs_own_echo_environment_is_found_and_scored_as_its_template_says(tmp_path, monkeypatch):
+    # OpenEnv ships its echo environment as the template `openenv init` writes
+    # (model_configs/cpu_openenv_echo.yaml trains on it): the adapter finds its classes unchanged
+    from openenv.cli.commands import init as openenv_init
+
+    from megarl.envs.adapters.openenv_env import check
+
+    monkeypatch.setattr(openenv_init, "_generate_uv_lock", lambda env_dir: False)  # its uv lockfile: not needed
+    openenv_init.init("echo_env", output_dir=str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = check(EnvConfig(kind="openenv:echo_env", options={"prompt_field": "echoed_message"}))
+    assert (spec.client.__name__, spec.action.__name__, spec.answer_field) == ("EchoEnv", "EchoAction", "message")
+    assert spec.environment == "echo_env.server.echo_env_environment:EchoEnvironment"
+    from echo_env.server.echo_env_environment import EchoEnvironment
+
+    env = EchoEnvironment()  # in process; the served round trip is the recipe's run
+    assert env.reset().echoed_message == "Echo Env environment ready!"
+    scored = env.step(spec.action(message="hello there"))
+    assert (scored.echoed_message, scored.done) == ("hello there", False)
+    assert scored.reward == pytest.approx(1.1)  # 0.1 per character, by the template's own rule
+    with pytest.raises(ValueError, match="prompt_field='question' is not a field of EchoObservation"):
+        check(EnvConfig(kind="openenv:echo_env"))
