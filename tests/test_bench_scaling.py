@@ -1,9 +1,10 @@
-"""``megarl bench scaling``: the efficiency arithmetic, argument checks, and one small real run."""
+"""``megarl bench scaling``: the efficiency arithmetic and argument checks. Its one real run (a tiny
+model at 1 and 2 ranks, every default mode and the weight sync) is the command line's, in
+tests/test_benchmarks_end_to_end.py: one Ray, rank and vLLM start-up serves both."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -11,7 +12,6 @@ from megarl_bench.scaling import (
     ScalingArgs,
     check_args,
     format_tables,
-    run_scaling,
     scaling_rows,
     sequences_per_replica,
     sync_rows,
@@ -128,19 +128,3 @@ def test_tables_print_cores_and_efficiencies(tmp_path):
     written = write_outputs(_synthetic_result(), str(tmp_path / "out"))
     assert json.loads(open(written[0]).read())["train"]["dp-strong"][1]["efficiency"] == pytest.approx(0.625)
     assert open(written[1], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-
-
-def test_real_run_on_one_and_two_ranks(tmp_path, starts_processes):
-    """Measures a tiny model at 1 and 2 ranks through Ray (no vLLM): ~30 s on 2 cores."""
-    args = ScalingArgs(ranks=(1, 2), modes=("dp-strong", "dp-weak", "tp-strong"), hidden=64, layers=2, heads=2,
-                       vocab=256, seq_len=16, micro_batch=1, warmup=1, repeats=2, sync=False)
-    result = run_scaling(args, progress=lambda *a: None)
-    for mode, rows in result["train"].items():
-        assert [r["ranks"] for r in rows] == [1, 2], mode
-        for r in rows:
-            assert 0 < r["seconds"] < 60 and math.isfinite(r["efficiency"]), (mode, r)
-        assert len(result["step_seconds"][mode][2]) == 2
-    assert [r["work"] for r in result["train"]["dp-weak"]] == [16, 32]  # 1 sequence of 16 tokens per rank
-    assert [r["work"] for r in result["train"]["dp-strong"]] == [32, 32]
-    assert result["threads_per_rank"][2] >= 1 and result["sync"] is None
-    assert "training step, tp-strong" in format_tables(result)

@@ -77,10 +77,30 @@ def test_episodes_overlap_against_lockstep(policy, bench):
 
 
 def test_scaling_of_the_step_and_the_sync(tmp_path, bench):
-    report = bench("scaling", "--ranks", "1,2", "--modes", "dp-strong", "--warmup", "1", "--repeats", "1",
-                    "--out", str(tmp_path))
-    assert set(report["step_seconds"]["dp-strong"]) == {"1", "2"}
-    assert (tmp_path / "scaling.json").is_file() and (tmp_path / "scaling.png").is_file()
+    """The suite's one real run of `bench scaling` (tests/test_bench_scaling.py checks its arithmetic
+    by hand): a tiny model (head_dim 32 for vLLM) at 1 and 2 ranks in every default mode, and the
+    weight sync into one vLLM engine at both rank counts."""
+    from megarl_bench.scaling import format_tables
+
+    report = bench("scaling", "--ranks", "1,2", "--modes", "dp-strong,dp-weak,tp-strong", "--hidden", "64",
+                   "--layers", "2", "--heads", "2", "--vocab", "256", "--seq-len", "16", "--micro-batch", "1",
+                   "--warmup", "1", "--repeats", "2", "--out", str(tmp_path))
+    assert set(report["train"]) == {"dp-strong", "dp-weak", "tp-strong"}
+    for mode, rows in report["train"].items():  # (JSON: the rank counts keyed as strings)
+        assert [r["ranks"] for r in rows] == [1, 2], mode
+        for r in rows:
+            assert 0 < r["seconds"] < 60 and math.isfinite(r["efficiency"]), (mode, r)
+        assert set(report["step_seconds"][mode]) == {"1", "2"} and len(report["step_seconds"][mode]["2"]) == 2
+    assert [r["work"] for r in report["train"]["dp-weak"]] == [16, 32]  # 1 sequence of 16 tokens per rank
+    assert [r["work"] for r in report["train"]["dp-strong"]] == [32, 32]
+    assert report["threads_per_rank"]["2"] >= 1
+    # the same bytes synced from tp 1 and tp 2, each once (bytes ratio 1), in a finite time
+    assert [r["ranks"] for r in report["sync"]] == [1, 2]
+    assert len({r["bytes"] for r in report["sync"]}) == 1 and all(r["bytes_ratio"] == 1.0 for r in report["sync"])
+    assert all(_positive(r["sync_seconds"]) and _positive(r["raw_seconds"]) for r in report["sync"])
+    assert "training step, tp-strong" in format_tables(report)
+    assert json.loads((tmp_path / "scaling.json").read_text())["train"] == report["train"]
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_vocab_parallel_logprob_memory(bench):
