@@ -104,13 +104,11 @@ def test_the_example_openenv_environment_asks_a_seeded_sum_and_scores_its_last_n
 def test_openenvs_own_echo_environment_is_found_and_scored_as_its_template_says(tmp_path, monkeypatch):
     # OpenEnv ships its echo environment as the template `openenv init` writes
     # (model_configs/cpu_openenv_echo.yaml trains on it): the adapter finds its classes unchanged
-    from openenv.cli.commands import init as openenv_init
+    from openenv_echo import write_echo_env
 
     from megarl.envs.adapters.openenv_env import check
 
-    monkeypatch.setattr(openenv_init, "_generate_uv_lock", lambda env_dir: False)  # its uv lockfile: not needed
-    openenv_init.init("echo_env", output_dir=str(tmp_path))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    write_echo_env(tmp_path, monkeypatch)
     spec = check(EnvConfig(kind="openenv:echo_env", options={"prompt_field": "echoed_message"}))
     assert (spec.client.__name__, spec.action.__name__, spec.answer_field) == ("EchoEnv", "EchoAction", "message")
     assert spec.environment == "echo_env.server.echo_env_environment:EchoEnvironment"
