@@ -24,12 +24,15 @@ def shard_layout(spec: ModelSpec, info: RankInfo) -> ShardLayout:
                        padded_vocab=spec.padded_vocab, etp_rank=info.etp_rank, etp=info.etp)
 
 
-def canonical_parameters(chunks: list, spec: ModelSpec, info: RankInfo) -> Iterator[tuple[str, torch.nn.Parameter]]:
+def canonical_parameters(chunks: list, spec: ModelSpec, info: RankInfo) -> Iterator[tuple[str, torch.Tensor]]:
     experts_per_rank = (spec.arch.num_experts or 1) // info.ep
     for wrapped in chunks:
         chunk = getattr(wrapped, "module", wrapped)  # megatron DDP wraps the GPTModel
         layers = chunk.decoder.layers
-        for name, param in chunk.named_parameters():
+        # + the routers' expert bias: a buffer, not a parameter, but state the HF checkpoint holds
+        # (DeepSeek-V3's e_score_correction_bias) and that training moves
+        biases = [(name, buf) for name, buf in chunk.named_buffers() if name.endswith(".router.expert_bias")]
+        for name, param in [*chunk.named_parameters(), *biases]:
             if is_adapter(name):  # LoRA adapters have no HF tensor of their own (megarl.models.lora)
                 continue
             global_layer = None

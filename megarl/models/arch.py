@@ -106,9 +106,11 @@ class ModelArch:
 
         The layers' share is the family's ``layer_params`` at tp = ep = 1: the same count the
         planner splits over ranks, so the two cannot drift apart."""
-        dense, expert = family_of(self).layer_params(self, 1, 1)
+        family = family_of(self)
+        layers = sum(sum(dense) + sum(expert) for dense, expert in
+                     (family.layer_params_at(self, i, 1, 1) for i in range(self.num_layers)))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-        return self.num_layers * (sum(dense) + sum(expert)) + embed + self.hidden_size  # + final norm
+        return layers + embed + self.hidden_size  # + final norm
 
     def mismatches(self, other: ModelArch) -> list[str]:
         """Fields that differ between two architectures (dtype excluded), as 'name: a != b'; of the
@@ -179,6 +181,11 @@ class Family(Protocol):
     def layer_params(self, arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
         """Element counts of one layer's parameter tensors on one rank, split as megatron-core
         splits them: (dense, expert). The planner's one parameter count."""
+        ...
+
+    def layer_params_at(self, arch: ModelArch, layer: int, tp: int, ep: int,
+                        etp: int | None = None) -> tuple[list[int], list[int]]:
+        """``layer_params`` of 0-based ``layer`` (families whose layers differ: DeepSeek-V3's dense ones)."""
         ...
 
 

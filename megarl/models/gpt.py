@@ -84,7 +84,7 @@ def transformer_config(spec: ModelSpec):
     if prec.fp8 is not None:
         kwargs.update(fp8=prec.fp8, fp8_recipe=prec.fp8_recipe,
                       fp8_amax_history_len=prec.fp8_amax_history_len, fp8_amax_compute_algo="max")
-    return TransformerConfig(
+    fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -125,8 +125,15 @@ def transformer_config(spec: ModelSpec):
         # tensor-parallel attributes of each weight inside its init functions, and without
         # them grad norms (and anything else keyed on them) count TP shards as duplicates.
         perform_initialization=True,
-        **kwargs,
     )
+    # a family's fields override the generic ones (e.g. DeepSeek-V3's dense layers are wider than its
+    # experts, and its attention is multi-latent: megatron-core's own config class for it)
+    fields.update(kwargs)
+    if fields.get("multi_latent_attention"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**fields)
+    return TransformerConfig(**fields)
 
 
 def _rope_inv_freq(model, arch: ModelArch) -> None:
@@ -160,6 +167,44 @@ def _norms_in_params_dtype(model, dtype: torch.dtype) -> None:
             module.to(dtype)
 
 
+def _layer_spec(spec: ModelSpec, dense: bool = False):
+    """The family's layer spec; ``dense``: its layer without experts (a MoE model's dense layers)."""
+    from megarl.models import block
+
+    family = family_of(spec.arch)
+    options = family.block_options(spec.arch)
+    kwargs = family.layer_spec_kwargs(spec.arch)
+    if kwargs.get("multi_latent_attention"):
+        from megarl.models.mla_local import allow_local_mla
+
+        allow_local_mla()
+    if dense:
+        kwargs = {**kwargs, "num_experts": None}
+    return block.layer_spec(
+        options, gpt_layer_spec(**kwargs, qk_layernorm=options.qk_norm, context_parallel=spec.parallel.cp > 1),
+        te=current_platform().layer_spec_kind == "te", moe=spec.arch.is_moe and not dense)
+
+
+def _decoder_spec(spec: ModelSpec, config, vp_stage: int | None):
+    """One layer spec for every layer, or, where the family sets megatron-core's ``moe_layer_freq`` to a
+    per-layer list (DeepSeek-V3's first dense layers), this stage's layers, each dense or MoE."""
+    pattern = getattr(config, "moe_layer_freq", 1)
+    if not isinstance(pattern, list):
+        return _layer_spec(spec)
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    moe, dense = _layer_spec(spec), _layer_spec(spec, dense=True)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[moe if pattern[i] else dense for i in range(offset, offset + count)],
+                                      layer_norm=LayerNormImpl)
+
+
 def build_model(spec: ModelSpec, vp_stage: int | None = None):
     """Builds this rank's model chunk (call inside ``megatron_parallel``)."""
     from megatron.core import parallel_state as ps
@@ -170,10 +215,7 @@ def build_model(spec: ModelSpec, vp_stage: int | None = None):
     config = transformer_config(spec)
     family = family_of(spec.arch)
     options = family.block_options(spec.arch)
-    layer_spec = block.layer_spec(
-        options, gpt_layer_spec(**family.layer_spec_kwargs(spec.arch), qk_layernorm=options.qk_norm,
-                                context_parallel=spec.parallel.cp > 1),
-        te=current_platform().layer_spec_kind == "te", moe=spec.arch.is_moe)
+    layer_spec = _decoder_spec(spec, config, vp_stage)
     pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(

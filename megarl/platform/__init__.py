@@ -255,7 +255,8 @@ def init_megatron_runtime() -> list[str]:
     return cpu_shims.apply_all(only_without_te=platform.is_gpu)
 
 
-def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False, context_parallel: bool = False):
+def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False, context_parallel: bool = False,
+                   multi_latent_attention: bool = False):
     """megatron-core layer spec for this platform: Transformer Engine on GPU, local on CPU. With
     ``context_parallel`` the local spec's attention is ``cp_attention``'s (Transformer Engine's
     splits the sequence itself)."""
@@ -263,7 +264,8 @@ def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False, c
 
     if current_platform().layer_spec_kind == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
         )
     from megarl.platform.cp_attention import ContextParallelAttention
     from megarl.platform.sdpa_attention import SDPAttention
@@ -272,6 +274,7 @@ def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False, c
         num_experts=num_experts,
         moe_grouped_gemm=False,
         qk_layernorm=qk_layernorm,
+        multi_latent_attention=multi_latent_attention,
         normalization="RMSNorm",
     )
     # torch's fused attention kernel in place of the local one (see sdpa_attention)

@@ -24,6 +24,12 @@ from megatron.core.transformer.enums import AttnMaskType
 class SDPAttention(DotProductAttention):
     """``DotProductAttention`` whose forward runs torch's SDPA kernel."""
 
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+        # multi-latent attention names its query/key and value widths (which differ); megatron-core's
+        # local attention takes neither, while SDPA reads both off the tensors (the config's
+        # kv_channels is the value width, which sizes the output)
+        super().__init__(*args, **kwargs)
+
     def _sdpa_applies(self, attention_bias, packed_seq_params) -> bool:
         dropout = self.attention_dropout.p if self.training else 0.0
         return (dropout == 0.0 and self.softmax_offset is None and self.scale_mask_softmax.scale is None

@@ -6,7 +6,7 @@ here and its line below.
 """
 
 from megarl.models.arch import register_family
-from megarl.models.families import gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from megarl.models.families import deepseek_v3, gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 
 # Registration order is the order "supported: ..." messages list them in.
 register_family(llama.FAMILY)
@@ -17,3 +17,4 @@ register_family(qwen3.FAMILY)
 register_family(qwen3_moe.FAMILY)
 register_family(qwen2_moe.FAMILY)
 register_family(gemma3.FAMILY)
+register_family(deepseek_v3.FAMILY)

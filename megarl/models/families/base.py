@@ -166,6 +166,12 @@ class DecoderFamily:
         mlp_dense, expert = self.mlp_params(arch, tp, ep, etp)
         return dense + mlp_dense, expert
 
+    def layer_params_at(self, arch: ModelArch, layer: int, tp: int, ep: int,
+                        etp: int | None = None) -> tuple[list[int], list[int]]:
+        """``layer_params`` of 0-based ``layer``: the same for every layer, except in a family whose
+        layers differ (DeepSeek-V3's first dense layers)."""
+        return self.layer_params(arch, tp, ep, etp)
+
     def attention_params(self, arch: ModelArch, tp: int) -> list[int]:
         """Input norm, fused qkv, output projection, pre-MLP norm[, qkv bias] on one rank."""
         h, d = arch.hidden_size, arch.head_dim
