@@ -121,14 +121,17 @@ def test_verify_passes_and_catches_wrong_weights(ckpt22, llama_with_side_files, 
     assert "FAIL" in bad.stdout and _max_dlogit(bad.stdout) > 1e-3
 
 
-def _refused(proc: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "starting" not in proc.stdout, "ranks were started before the input was checked"
+def _refused(capsys, argv: list[str], *fragments: str) -> None:
+    """`megarl convert ARGV`, run in this process (each refusal comes before any rank starts, so no
+    process of its own is needed: six interpreter start-ups saved), exits 2 naming ``fragments``."""
+    code, stdout, stderr = _convert_in_process(capsys, *argv)
+    assert code == 2, stdout + stderr
+    assert "starting" not in stdout, "ranks were started before the input was checked"
     for fragment in fragments:
-        assert fragment in proc.stderr, proc.stderr
+        assert fragment in stderr, stderr
 
 
-def test_refusals_before_any_rank_starts(llama_with_side_files, ckpt22, tiny_models, tmp_path, megarl):
+def test_refusals_before_any_rank_starts(llama_with_side_files, ckpt22, tiny_models, tmp_path, capsys):
     # config.json that does not describe its tensors
     lying = tmp_path / "lying"
     shutil.copytree(llama_with_side_files, lying)
@@ -136,31 +139,30 @@ def test_refusals_before_any_rank_starts(llama_with_side_files, ckpt22, tiny_mod
     config["intermediate_size"] = 96
     (lying / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    _refused(megarl("convert", "hf-to-mcore", "--hf", str(lying), "--out", str(out), check=False),
+    _refused(capsys, ["hf-to-mcore", "--hf", str(lying), "--out", str(out)],
              "model.layers.0.mlp.gate_proj.weight: shape [128, 64] in the checkpoint, [96, 64] from config.json")
     assert not out.exists()
     # a layout that does not divide the model
-    _refused(megarl("convert", "hf-to-mcore", "--hf", str(llama_with_side_files), "--out", str(out),
-                    "--tp", "3", check=False), "--tp=3 does not divide num_attention_heads=4")
-    _refused(megarl("convert", "hf-to-mcore", "--hf", str(llama_with_side_files), "--out", str(out),
-                    "--pp", "3", check=False), "--pp=3 does not divide num_hidden_layers (4)")
+    _refused(capsys, ["hf-to-mcore", "--hf", str(llama_with_side_files), "--out", str(out), "--tp", "3"],
+             "--tp=3 does not divide num_attention_heads=4")
+    _refused(capsys, ["hf-to-mcore", "--hf", str(llama_with_side_files), "--out", str(out), "--pp", "3"],
+             "--pp=3 does not divide num_hidden_layers (4)")
     # a checkpoint of another model
-    _refused(megarl("convert", "verify", "--hf", str(tiny_models["mistral"]), "--ckpt", str(ckpt22), check=False),
+    _refused(capsys, ["verify", "--hf", str(tiny_models["mistral"]), "--ckpt", str(ckpt22)],
              "does not match", "family: 'mistral' != 'llama'", "sliding_window")
     # an existing output
-    _refused(megarl("convert", "reshard", "--ckpt", str(ckpt22), "--out", str(ckpt22), check=False),
-             "already exists")
+    _refused(capsys, ["reshard", "--ckpt", str(ckpt22), "--out", str(ckpt22)], "already exists")
     # not a checkpoint
-    _refused(megarl("convert", "mcore-to-hf", "--ckpt", str(llama_with_side_files), "--out", str(out),
-                    check=False), "is not a megarl checkpoint")
+    _refused(capsys, ["mcore-to-hf", "--ckpt", str(llama_with_side_files), "--out", str(out)],
+             "is not a megarl checkpoint")
 
 
-def test_corrupt_weights_are_refused_by_name(llama_with_side_files, tmp_path, megarl):
+def test_corrupt_weights_are_refused_by_name(llama_with_side_files, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(llama_with_side_files, broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # tensors cut off
-    _refused(megarl("convert", "hf-to-mcore", "--hf", str(broken), "--out", str(tmp_path / "out"), check=False),
+    _refused(capsys, ["hf-to-mcore", "--hf", str(broken), "--out", str(tmp_path / "out")],
              "model.safetensors is not a readable safetensors file")
 
 
