@@ -48,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from megarl_bench import episodes  # multi-turn episodes: overlapping tool calls vs lockstep turns
 
     episodes.add_parser(bs)
+    from megarl_bench import endpoint  # agent episodes through the OpenAI-compatible endpoint vs in process
+
+    endpoint.add_parser(bs)
     from megarl_bench import mfu  # model-FLOPs utilisation of the actor's training step
 
     mfu.add_parser(bs)

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,8 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "model_configs" / "cpu_to
 
 
 def run_episodes_cmd(args: argparse.Namespace) -> int:
-    import ray
-
-    from megarl.cluster.ray_env import ensure_ray, shutdown_ray
     from megarl.data.prompts import prompt_dataset
-    from megarl.rollout.remote import episode_item, start_engine, submit_episodes, wait_ready
-    from megarl.rollout.sampling import SamplingConfig
-    from megarl.trainer.run import hf_folder
+    from megarl.rollout.remote import episode_item
     from megarl_bench.e2e import bench_config
 
     recipe = args.recipe or DEFAULT_RECIPE
@@ -42,10 +38,37 @@ def run_episodes_cmd(args: argparse.Namespace) -> int:
         return 2
     data = prompt_dataset(cfg.data)
     items = [episode_item(data.items[i]) for i in range(min(args.prompts, len(data.items)))]
-    r = cfg.rollout
-    sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                              n=r.n, stop_token_ids=[], seed=cfg.seed)
+    sampling = sampling_of(cfg)
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    arms = {"overlap": lambda c: setattr(c.env, "overlap", True),
+            "lockstep": lambda c: setattr(c.env, "overlap", False)}
+    rounds = alternate_on_one_engine(cfg, items, sampling, arms, args.rounds, progress)
+    result = report(rounds)
+    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    return 0
+
+
+def sampling_of(cfg: Any) -> Any:
+    """The recipe's sampling (its stop token is the tokenizer's, set when the engine starts)."""
+    from megarl.rollout.sampling import SamplingConfig
+
+    r = cfg.rollout
+    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                          n=r.n, stop_token_ids=[], seed=cfg.seed)
+
+
+def alternate_on_one_engine(cfg: Any, items: list, sampling: Any, arms: dict[str, Callable[[Any], None]],
+                            rounds: int, progress: Callable[..., None]) -> dict[str, list[dict[str, float]]]:
+    """Starts the recipe's engine once, then per round runs the episodes under each arm (a change
+    of ``cfg``) in turn, on the same items and seeds; each arm's figures per round, the first round
+    (warm-up) left out. ``megarl bench endpoint`` shares it."""
+    import ray
+
+    from megarl.cluster.ray_env import ensure_ray, shutdown_ray
+    from megarl.rollout.remote import start_engine, submit_episodes, wait_ready
+    from megarl.trainer.run import hf_folder
+
+    r = cfg.rollout
     ensure_ray()
     try:
         from transformers import AutoTokenizer
@@ -55,23 +78,21 @@ def run_episodes_cmd(args: argparse.Namespace) -> int:
         engine = start_engine(str(path), tp=r.tp, dtype=r.dtype, max_model_len=r.max_model_len,
                               max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib)
         wait_ready([engine], timeout_s=cfg.trainer.step_timeout_s)
-        rounds: dict[bool, list[dict[str, float]]] = {True: [], False: []}
-        for round_index in range(args.rounds + 1):
-            for overlap in (True, False):
-                cfg.env.overlap = overlap
+        figures: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+        for round_index in range(rounds + 1):
+            for name, arm in arms.items():
+                arm(cfg)
                 started = time.perf_counter()
                 refs = submit_episodes([engine], items, sampling, cfg)
                 episodes = [t for part in ray.get(refs, timeout=cfg.trainer.step_timeout_s) for t in part]
-                figures = _figures(episodes, time.perf_counter() - started)
+                measured = _figures(episodes, time.perf_counter() - started)
                 progress(f"round {round_index}{' (warm-up)' if round_index == 0 else ''}: "
-                         f"{'overlap ' if overlap else 'lockstep'} {figures['tokens_per_s']:.1f} tokens/s")
+                         f"{name:<10} {measured['tokens_per_s']:.1f} tokens/s")
                 if round_index > 0:
-                    rounds[overlap].append(figures)
+                    figures[name].append(measured)
     finally:
         shutdown_ray()
-    result = report({name: rounds[flag] for name, flag in (("overlap", True), ("lockstep", False))})
-    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
-    return 0
+    return figures
 
 
 def _figures(episodes: list, seconds: float) -> dict[str, float]:

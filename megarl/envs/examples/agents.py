@@ -1,4 +1,4 @@
-"""Two tiny agents that talk to the rollout endpoint with the stock ``openai`` client, for
+"""Tiny agents that talk to the rollout endpoint with the stock ``openai`` client, for
 ``env.kind: megarl.envs.examples.agents:check_your_work`` (``model_configs/cpu_agent_check.yaml``).
 
 Both ask the dataset item's question, then ask the policy to check its answer, and score the
@@ -6,6 +6,8 @@ final answer's last number against ``item.metadata["answer"]``. ``check_your_wor
 conversation as it is (the second request extends the first: one trajectory);
 ``restate_and_check`` starts the second request afresh, quoting the first answer inside a new
 user message, as an agent that compacts its history does (the session splits there).
+``answer_once`` asks once and scores that answer: the in-process ``single_turn`` episode as an
+agent (``megarl bench endpoint`` times the two against each other).
 """
 
 from __future__ import annotations
@@ -48,3 +50,9 @@ async def restate_and_check(client: Any, item: EpisodeItem, max_tokens: int = 64
     second = await client.chat.completions.create(model="policy", max_tokens=max_tokens,
                                                   messages=[{"role": "user", "content": restated}])
     return score(second.choices[0].message.content, item)
+
+
+async def answer_once(client: Any, item: EpisodeItem, max_tokens: int | None = None) -> float:
+    limit = {} if max_tokens is None else {"max_tokens": max_tokens}  # None: the run's rollout.max_tokens
+    reply = await client.chat.completions.create(model="policy", messages=opening(item), **limit)
+    return score(reply.choices[0].message.content, item)
