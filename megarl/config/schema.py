@@ -274,9 +274,10 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    # "reasoning_gym:<task>" (generated offline by the reasoning-gym package) or a JSONL file
+    # "reasoning_gym:<task>" (generated offline by the reasoning-gym package), "verifiers:<environment>"
+    # (a verifiers environment's own dataset; "...@eval": its eval_dataset) or a JSONL file
     source: str = "reasoning_gym:basic_arithmetic"
-    task_config: dict = field(default_factory=dict)  # reasoning-gym dataset options
+    task_config: dict = field(default_factory=dict)  # reasoning-gym dataset options; verifiers: load_environment's
     size: int = 1000  # reasoning-gym: prompts generated
     prompt_key: str = "prompt"  # JSONL: the field holding the prompt
     instruction: str = ""  # reasoning-gym: template with {question}; empty: the package default
@@ -292,7 +293,7 @@ class EvalSetConfig:
     them, its samples scored by the run's rule and remote reward terms."""
 
     name: str = ""  # the metrics' prefix: eval/<name>/accuracy, ...
-    source: str = ""  # as data.source: "reasoning_gym:<task>" or a JSONL / Parquet file
+    source: str = ""  # as data.source: "reasoning_gym:<task>", "verifiers:<environment>@eval" or a JSONL / Parquet file
     task_config: dict = field(default_factory=dict)  # reasoning-gym dataset options
     size: int = 256  # reasoning-gym: prompts generated (a file: all its rows)
     prompt_key: str = "prompt"  # JSONL / Parquet: the field holding the prompt

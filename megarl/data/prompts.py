@@ -155,8 +155,13 @@ def from_reasoning_gym(name: str, size: int, seed: int, instruction_template: st
 
 
 def prompt_dataset(data: DataConfig) -> PromptDataset[PromptItem]:
-    """The run's prompt stream as ``data`` describes it: a reasoning-gym task or a prompt file."""
-    if data.source.startswith("reasoning_gym:"):
+    """The run's prompt stream as ``data`` describes it: a reasoning-gym task, a verifiers
+    environment's own dataset or a prompt file."""
+    from megarl.data.verifiers_source import from_verifiers, is_verifiers_source
+
+    if is_verifiers_source(data.source):
+        items = from_verifiers(data.source, data.task_config)
+    elif data.source.startswith("reasoning_gym:"):
         items = from_reasoning_gym(data.source.split(":", 1)[1], size=data.size, seed=data.seed,
                                    instruction_template=data.instruction or DEFAULT_INSTRUCTION,
                                    system_prompt=data.system_prompt, **data.task_config)

@@ -86,7 +86,7 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         task = data.source.split(":", 1)[1]
         if task not in reasoning_gym.factory.DATASETS:
             errors.append(f"data.source: reasoning-gym has no task {task!r}")
-    elif not Path(data.source).is_file():
+    elif not data.source.startswith("verifiers:") and not Path(data.source).is_file():  # verifiers: data_errors
         errors.append(f"data.source: {data.source} does not exist")
     if cfg.trainer.critic_warmup > 0 and cfg.critic is None:
         errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.name: ppo)")
@@ -125,9 +125,11 @@ def data_errors(cfg: RunConfig) -> list[str]:
             return [f"data.task_config: reasoning-gym task {task!r} refuses it: {' '.join(str(e).split())}"]
         return []
     from megarl.data.prompts import load_prompts
+    from megarl.data.verifiers_source import from_verifiers, is_verifiers_source
 
     try:
-        items = load_prompts(data.source, prompt_key=data.prompt_key)
+        items = (from_verifiers(data.source, data.task_config) if is_verifiers_source(data.source)  # its own dataset
+                 else load_prompts(data.source, prompt_key=data.prompt_key))
     except (ValueError, OSError, ImportError) as e:
         return [f"data.source: {' '.join(str(e).split())}"]
     if len(items) < data.prompts_per_step:

@@ -5,8 +5,10 @@ rule) against the rollout endpoint, and ITS OWN rubric scores it (``rubric.score
 rubric's reward is the episode's reward. ``env.options`` are ``load_environment``'s arguments.
 
 The episode's prompt is the run's dataset item (``data``) formatted the environment's way
-(``vf_env.format_prompt``: its system prompt and few-shot examples), its answer
-``item.metadata["answer"]``. The environment is loaded once per process and kept: engines call
+(``vf_env.format_prompt``: its system prompt and few-shot examples), its answer, task and info
+``item.metadata``'s. With ``data.source: verifiers:<environment>`` the items are the
+environment's own dataset (``megarl.data.verifiers_source``), so the run trains on its task as
+it defines it; any other source must hold the same task (a question and its answer). The environment is loaded once per process and kept: engines call
 ``load_agent`` at every episode call.
 
 Pinned to verifiers 0.1.5: from 0.1.6 on the package imports prime-sandboxes (a remote sandbox
@@ -82,9 +84,10 @@ def verifiers_agent(env: EnvConfig) -> Callable:
         prompt = vf_env.format_prompt(item.prompt, vf_env.system_prompt, vf_env.few_shot)
         answer = str(item.metadata.get("answer", ""))
         task = str(item.metadata.get("task", "default"))
+        info = dict(item.metadata.get("info") or {})
         sampling = dict(vf_env.sampling_args)  # a copy: verifiers renames max_tokens in place
-        completion, state = await vf_env.rollout(client, "policy", prompt, answer, task, {}, sampling)
-        score = await vf_env.rubric.score_rollout(prompt, completion, answer, state, task, {})
+        completion, state = await vf_env.rollout(client, "policy", prompt, answer, task, info, sampling)
+        score = await vf_env.rubric.score_rollout(prompt, completion, answer, state, task, info)
         return float(score.reward)
 
     return episode
