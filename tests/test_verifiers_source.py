@@ -9,8 +9,7 @@ import pytest
 
 from megarl.config.loader import ConfigError, load_config
 from megarl.config.schema import RunConfig
-from megarl.data.prompts import from_reasoning_gym
-from megarl.data.verifiers_source import from_verifiers
+from megarl.data.prompts import from_reasoning_gym, from_verifiers
 
 VF = "verifiers:megarl.envs.examples.vf_chain_sum"
 SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}

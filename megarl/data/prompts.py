@@ -154,10 +154,19 @@ def from_reasoning_gym(name: str, size: int, seed: int, instruction_template: st
     return items
 
 
+def from_verifiers(source: str, options: dict[str, Any]) -> list[PromptItem]:
+    """``verifiers:<environment>[@eval]``: the environment's own dataset as plain-text items (it
+    formats each question its own way when it plays the episode); ValueError, one line."""
+    from megarl.data.verifiers_source import verifiers_questions
+
+    questions = verifiers_questions(source, options)
+    return [PromptItem(prompt=question, metadata=metadata) for question, metadata in questions]
+
+
 def prompt_dataset(data: DataConfig) -> PromptDataset[PromptItem]:
     """The run's prompt stream as ``data`` describes it: a reasoning-gym task, a verifiers
     environment's own dataset or a prompt file."""
-    from megarl.data.verifiers_source import from_verifiers, is_verifiers_source
+    from megarl.data.verifiers_source import is_verifiers_source
 
     if is_verifiers_source(data.source):
         items = from_verifiers(data.source, data.task_config)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from megarl.data.prompts import PromptItem
-
 PREFIX = "verifiers:"
 EVAL_SPLIT = "@eval"
 
@@ -48,17 +46,17 @@ def _rows(source: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     if dataset is None:
         raise ValueError(f"{source!r}: the environment has no {'eval_dataset' if held_out else 'dataset'}")
     if "question" not in dataset.column_names:
-        raise ValueError(f"{source!r}: its dataset has no 'question' column (columns: {', '.join(dataset.column_names)})")
+        columns = ", ".join(dataset.column_names)
+        raise ValueError(f"{source!r}: its dataset has no 'question' column (columns: {columns})")
     return list(dataset)
 
 
-def from_verifiers(source: str, options: dict[str, Any]) -> list[PromptItem]:
-    """The environment's dataset (or eval_dataset) as prompt items; ValueError, one line, if it cannot load."""
-    items = []
-    for row in _rows(source, options):
-        metadata = {"answer": str(row.get("answer", "")), "task": str(row.get("task") or "default"),
-                    "info": dict(row.get("info") or {})}
-        items.append(PromptItem(prompt=str(row["question"]), metadata=metadata))
-    if not items:
+def verifiers_questions(source: str, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The environment's dataset (or eval_dataset): each row's question and its metadata (answer,
+    task, info); ValueError, one line, if it cannot load (``megarl.data.prompts.from_verifiers``
+    makes them prompt items)."""
+    rows = [(str(row["question"]), {"answer": str(row.get("answer", "")), "task": str(row.get("task") or "default"),
+                                    "info": dict(row.get("info") or {})}) for row in _rows(source, options)]
+    if not rows:
         raise ValueError(f"{source!r}: the environment's dataset is empty")
-    return items
+    return rows

@@ -124,8 +124,8 @@ def data_errors(cfg: RunConfig) -> list[str]:
         except Exception as e:  # noqa: BLE001 - a third-party task refuses its options with any exception type
             return [f"data.task_config: reasoning-gym task {task!r} refuses it: {' '.join(str(e).split())}"]
         return []
-    from megarl.data.prompts import load_prompts
-    from megarl.data.verifiers_source import from_verifiers, is_verifiers_source
+    from megarl.data.prompts import from_verifiers, load_prompts
+    from megarl.data.verifiers_source import is_verifiers_source
 
     try:
         items = (from_verifiers(data.source, data.task_config) if is_verifiers_source(data.source)  # its own dataset

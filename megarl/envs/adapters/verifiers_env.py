@@ -8,8 +8,8 @@ The episode's prompt is the run's dataset item (``data``) formatted the environm
 (``vf_env.format_prompt``: its system prompt and few-shot examples), its answer, task and info
 ``item.metadata``'s. With ``data.source: verifiers:<environment>`` the items are the
 environment's own dataset (``megarl.data.verifiers_source``), so the run trains on its task as
-it defines it; any other source must hold the same task (a question and its answer). The environment is loaded once per process and kept: engines call
-``load_agent`` at every episode call.
+it defines it; any other source must hold the same task (a question and its answer). The
+environment is loaded once per process and kept: engines call ``load_agent`` at every episode call.
 
 Pinned to verifiers 0.1.5: from 0.1.6 on the package imports prime-sandboxes (a remote sandbox
 client and its RPC stack) at start, from 0.2 the ``renderers`` package, and 0.4.0 declares
