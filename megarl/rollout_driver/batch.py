@@ -74,6 +74,7 @@ class Rollout:
     # Episodes under the opportunistic schedule: how many times an interruption cut one (each then
     # started over, or was continued, under newer weights: rollout.partial); None otherwise
     interrupted_episodes: int | None = None
+    lost_episodes: int | None = None  # episodes cut by an engine's fault and started over elsewhere
 
 
 def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1,

@@ -19,6 +19,9 @@ from typing import Any
 from megarl.rollout_driver.group_streams import GroupStreams
 from megarl.utils.abort import wait_all
 
+# A unit's answer when its call's engine failed (megarl.rollout_driver.fleet): it is asked again.
+LOST = object()
+
 
 @dataclass
 class InFlight:
@@ -28,6 +31,7 @@ class InFlight:
     calls: list = field(default_factory=list, kw_only=True)  # Ray object refs, one per engine call
     call_slots: list[list[int]] = field(default_factory=list, kw_only=True)  # the units each call answers
     call_version: int = field(default=-1, kw_only=True)  # the version the calls in flight sample with
+    call_engines: list[int] = field(default_factory=list, kw_only=True)  # the engine each call went to
     # rollout.granularity=group: the groups in flight, and the thread taking them in as they finish
     streams: GroupStreams | None = field(default=None, kw_only=True)
     taking: Future | None = field(default=None, kw_only=True)
@@ -40,18 +44,22 @@ class InFlight:
     def in_flight(self) -> bool:
         return bool(self.calls) or self.streams is not None
 
-    def take_answers(self, timeout_s: float) -> list[tuple[int, Any]]:
+    def take_answers(self, timeout_s: float, fleet: Any = None) -> list[tuple[int, Any]]:
         """Waits for the calls (``timeout_s``): (unit, its answer) for every unit asked, and the
-        calls are forgotten."""
+        calls are forgotten. With ``fleet`` (an ``EngineFleet``), a call whose engine failed answers
+        ``LOST`` for each of its units."""
         if not self.calls:
             return []
-        answers = wait_all(self.calls, timeout_s, "generation")
-        taken = [(i, answer) for part, got in zip(self.call_slots, answers, strict=True)
-                 for i, answer in zip(part, got, strict=True)]
-        self.calls, self.call_slots = [], []
+        if fleet is None:
+            answers = wait_all(self.calls, timeout_s, "generation")
+        else:
+            answers = fleet.wait_or_lose(self.calls, self.call_engines, timeout_s, "generation")
+        taken = [(i, LOST if got is LOST else got[k]) for part, got in zip(self.call_slots, answers, strict=True)
+                 for k, i in enumerate(part)]
+        self.calls, self.call_slots, self.call_engines = [], [], []
         return taken
 
 
 def interrupt(engines: list, epoch: int, timeout_s: float) -> None:
-    """Every engine stops its calls of ``epoch`` or earlier at the next decoding step."""
+    """Every engine (every live one) stops its calls of ``epoch`` or earlier at the next decoding step."""
     wait_all([e.interrupt.remote(epoch) for e in engines], timeout_s, "interrupting generation")

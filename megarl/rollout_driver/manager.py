@@ -25,10 +25,11 @@ from megarl.data.tokenize import tokenize_prompts
 from megarl.rewards.base import RewardInput
 from megarl.rewards.combined import RunReward
 from megarl.rollout.episodes import EpisodeRequest, Trajectory
-from megarl.rollout.remote import episode_item, episode_requests, submit_episodes, submit_generation
+from megarl.rollout.remote import episode_item, episode_requests, submit_episode_requests
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.rollout_driver import partial_episodes, partial_samples
 from megarl.rollout_driver.batch import Rollout, build_batch
+from megarl.rollout_driver.fleet import Dispatch, EngineFleet
 from megarl.rollout_driver.group_streams import (
     GroupStreams,
     groups_as_they_finish,
@@ -39,7 +40,7 @@ from megarl.rollout_driver.inflight import interrupt
 from megarl.rollout_driver.partial_episodes import PartialEpisodes
 from megarl.rollout_driver.partial_samples import PartialRollout
 from megarl.rollout_driver.scoring import Scores, Scoring
-from megarl.utils.abort import wait_all
+from megarl.utils.shares import contiguous_shares
 
 # Sampling seeds: one per step, distinct across steps and runs with different seeds.
 _SEED_STRIDE = 100_003
@@ -52,7 +53,7 @@ class PendingRollout:
     index: int
     version: int
     prompt_ids: list[int]
-    calls: list  # Ray object refs, one per engine, in engine order (none: rollout.granularity=group)
+    calls: list[Dispatch]  # one per engine, in engine order (none: rollout.granularity=group)
     finished: Future | None = None  # collecting and scoring it in the background (``finish_ahead``)
     submitted_at: float = field(default_factory=time.monotonic)
     group_streams: GroupStreams | None = None  # rollout.granularity=group: the groups in flight
@@ -63,6 +64,8 @@ class RolloutManager:
                  reward: RunReward):
         self.cfg, self.engines, self.tokenizer = cfg, engines, tokenizer
         self.dataset, self.reward = dataset, reward
+        # which engines serve; calls that survive an engine's fault (rollout.max_engine_restarts)
+        self.fleet = EngineFleet(engines, cfg.rollout.request_timeout_s)
         self.scoring = Scoring(cfg, reward)  # every score of a batch comes from it
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._ahead: ThreadPoolExecutor | None = None
@@ -103,9 +106,15 @@ class RolloutManager:
             pending.group_streams = open_group_streams(self.engines, self._tokenize(items), sampling,
                                                        self.cfg.rollout.max_num_seqs)
         elif self.cfg.env is not None:
-            pending.calls = submit_episodes(self.engines, [episode_item(item) for item in items], sampling, self.cfg)
+            # a group's episodes on one engine, where they share the prompt's cache
+            requests = self._episode_requests(ids, sampling)
+            shares = contiguous_shares(requests, len(self.fleet.live()), unit=sampling.n)
+            pending.calls = self.fleet.submit_shares(
+                shares, lambda engine, part: submit_episode_requests(engine, part, sampling, self.cfg))
         else:
-            pending.calls = submit_generation(self.engines, self._tokenize(items), sampling)
+            shares = contiguous_shares(self._tokenize(items), len(self.fleet.live()))
+            pending.calls = self.fleet.submit_shares(shares,
+                                                     lambda engine, part: engine.generate.remote(part, sampling))
         if self._ahead is not None:
             pending.finished = self._ahead.submit(self._collect_and_score, pending)
         return pending
@@ -135,7 +144,7 @@ class RolloutManager:
 
     def _submit_episodes(self, batch: PartialEpisodes, sampling: SamplingConfig, version: int, epoch: int) -> None:
         if not self._streams_groups:
-            partial_episodes.submit(batch, self.engines, sampling, self.cfg, version, epoch)
+            partial_episodes.submit(batch, self.fleet.live_engines(), sampling, self.cfg, version, epoch)
             return
         partial_episodes.stream(batch, self.engines, sampling, self.cfg, version, epoch)
         # the environments scored each episode: taking the groups in is all that is left to do
@@ -145,7 +154,8 @@ class RolloutManager:
     def _submit_samples(self, batch: PartialRollout, sampling: SamplingConfig, version: int, epoch: int,
                         regenerate: bool = False) -> None:
         if not self._streams_groups:
-            partial_samples.submit(batch, self.engines, sampling, version, epoch, regenerate=regenerate)
+            partial_samples.submit(batch, self.fleet.live_engines(), sampling, version, epoch,
+                                   regenerate=regenerate)
             return
         partial_samples.stream(batch, self.engines, sampling, version, epoch, self.cfg.rollout.max_num_seqs,
                                 regenerate=regenerate)
@@ -166,10 +176,10 @@ class RolloutManager:
             taking.result()  # take_groups waits at most trainer.step_timeout_s
             return
         home = partial_episodes if isinstance(batch, PartialEpisodes) else partial_samples
-        home.collect(batch, self.cfg.trainer.step_timeout_s)
+        home.collect(batch, self.cfg.trainer.step_timeout_s, self.fleet)
 
     def interrupt(self, epoch: int) -> None:
-        interrupt(self.engines, epoch, self.cfg.trainer.collective_timeout_s)
+        interrupt(list(self.fleet.live_engines().values()), epoch, self.cfg.trainer.collective_timeout_s)
 
     def assemble_partial(self, batch: PartialRollout | PartialEpisodes) -> Rollout:
         """A finished partial batch as a ``Rollout``; its version is its oldest token's."""
@@ -179,6 +189,7 @@ class RolloutManager:
             rollout = self.assemble(batch.index, min(batch.versions), batch.prompt_ids, groups, list(batch.episodes))
             rollout.token_versions = partial_episodes.token_versions(batch)
             rollout.interrupted_episodes = batch.interruptions
+            rollout.lost_episodes = batch.lost
             return rollout
         groups, versions = partial_samples.samples(batch)
         oldest = min(v for vs in versions for v in vs)
@@ -236,7 +247,7 @@ class RolloutManager:
         return rollout
 
     def _collect(self, pending: PendingRollout) -> Rollout:
-        parts = wait_all(pending.calls, self.cfg.trainer.step_timeout_s, "generation")
+        parts = self.fleet.wait(pending.calls, self.cfg.trainer.step_timeout_s, "generation")
         if self.cfg.env is None:
             groups = [g for part in parts for g in part]
             return self.assemble(pending.index, pending.version, pending.prompt_ids, groups)

@@ -24,13 +24,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from megarl.config.schema import RunConfig
 from megarl.rollout.episodes import EpisodeRequest, Trajectory, suspended_name
 from megarl.rollout.remote import submit_episode_requests
 from megarl.rollout.sampling import SamplingConfig
 from megarl.rollout_driver.group_streams import groups_as_they_finish, open_episode_group_streams
-from megarl.rollout_driver.inflight import InFlight
+from megarl.rollout_driver.inflight import LOST, InFlight
 from megarl.utils.shares import contiguous_shares
 
 Home = tuple[int, str]  # where a suspended episode waits: (engine index, the name it is kept under)
@@ -45,6 +46,7 @@ class PartialEpisodes(InFlight):
     versions: list[int]  # each finished episode's oldest token's weight version
     homes: list[Home | None]  # each suspended episode's engine and name (rollout.partial=continue)
     interruptions: int = 0  # episodes an interruption cut (dropped and restarted, or suspended)
+    lost: int = 0  # episodes an engine's fault cut: started over from their reset on another engine
     call_homes: list[Home | None] = field(default_factory=list)  # where each call suspends its episodes
     streams_suspend: bool = False  # whether the streams keep the episodes an interruption cuts
 
@@ -62,20 +64,23 @@ def new_batch(index: int, prompt_ids: list[int], requests: list[EpisodeRequest],
     return PartialEpisodes(index, list(prompt_ids), n, list(requests), [None] * count, [-1] * count, [None] * count)
 
 
-def submit(batch: PartialEpisodes, engines: list, sampling: SamplingConfig, cfg: RunConfig, version: int,
-           epoch: int) -> None:
+def submit(batch: PartialEpisodes, engines: dict[int, Any], sampling: SamplingConfig, cfg: RunConfig,
+           version: int, epoch: int) -> None:
     """Asks the engines for every unfinished episode with version ``version`` (interruptible at
     ``epoch``): a suspended one from where it stopped, on the engine that holds it; the others
-    from their reset, each engine a contiguous share. Returns at once."""
+    from their reset, each engine (``engines``: the live ones by index) a contiguous share.
+    Returns at once."""
     fresh = _continue_suspended(batch, engines, sampling, version, epoch)
     keep = cfg.rollout.partial == "continue"
-    for e, part in enumerate(contiguous_shares(fresh, len(engines))):
+    for e, part in zip(engines, contiguous_shares(fresh, len(engines)), strict=True):
         if part:
-            name = f"{batch.index}.{part[0]}" if keep else None  # unique: an episode starts fresh once
+            # unique: an episode starts fresh once (again after an engine's fault: another attempt)
+            name = f"{batch.index}.{part[0]}" + (f".{batch.lost}" if batch.lost else "") if keep else None
             batch.calls.append(submit_episode_requests(engines[e], [batch.requests[i] for i in part], sampling, cfg,
                                                        epoch, keep=name))
             batch.call_slots.append(part)
             batch.call_homes.append(None if name is None else (e, name))
+            batch.call_engines.append(e)
 
 
 def stream(batch: PartialEpisodes, engines: list, sampling: SamplingConfig, cfg: RunConfig, version: int,
@@ -84,7 +89,7 @@ def stream(batch: PartialEpisodes, engines: list, sampling: SamplingConfig, cfg:
     where they wait, and every group with an episode to start from its reset streams to the
     engines, the next whenever one of an engine's own finishes; ``take_groups`` takes them in.
     Returns at once."""
-    fresh = set(_continue_suspended(batch, engines, sampling, version, epoch))
+    fresh = set(_continue_suspended(batch, dict(enumerate(engines)), sampling, version, epoch))
     groups = []
     for g in range(len(batch.episodes) // batch.group_size):
         asked = [batch.requests[i] if i in fresh else None for i in batch.group(g)]
@@ -115,30 +120,49 @@ def take_groups(batch: PartialEpisodes, timeout_s: float) -> Iterator[int]:
     yield from sorted(g for g in touched if all(batch.episodes[i] is not None for i in batch.group(g)))
 
 
-def _continue_suspended(batch: PartialEpisodes, engines: list, sampling: SamplingConfig, version: int,
+def _continue_suspended(batch: PartialEpisodes, engines: dict[int, Any], sampling: SamplingConfig, version: int,
                         epoch: int) -> list[int]:
     """Sends every suspended episode back to the engine where it waits (one call per name it waits
-    under); returns the unfinished episodes that start from their reset."""
+    under); returns the unfinished episodes that start from their reset (those suspended on an
+    engine that failed among them)."""
     assert not batch.in_flight, "a batch's calls must be collected before it is submitted again"
     todo = [i for i, t in enumerate(batch.episodes) if t is None]
     batch.calls, batch.call_slots, batch.call_homes, batch.call_version = [], [], [], version
+    batch.call_engines = []
     waiting: dict[Home, list[int]] = {}
     for i in todo:
-        if (home := batch.homes[i]) is not None:
+        if (home := batch.homes[i]) is not None and home[0] not in engines:
+            batch.homes[i], batch.lost = None, batch.lost + 1
+        elif home is not None:
             waiting.setdefault(home, []).append(i)
     for (engine, name), part in waiting.items():
         batch.calls.append(engines[engine].continue_episodes.remote(name, replace(sampling, n=1), epoch))
         batch.call_slots.append(part)
         batch.call_homes.append((engine, name))
+        batch.call_engines.append(engine)
     return [i for i in todo if batch.homes[i] is None]
 
 
-def collect(batch: PartialEpisodes, timeout_s: float) -> set[int]:
+def forget_engine(batch: PartialEpisodes, index: int, dropped: bool = False) -> None:
+    """Engine ``index`` failed: the episodes suspended there start over from their reset (a
+    replacement holds none); ``dropped``, the engines after it move down one."""
+    for i, home in enumerate(batch.homes):
+        if home is not None and home[0] == index:
+            batch.homes[i], batch.lost = None, batch.lost + 1
+        elif home is not None and dropped and home[0] > index:
+            batch.homes[i] = (home[0] - 1, home[1])
+
+
+def collect(batch: PartialEpisodes, timeout_s: float, fleet: Any = None) -> set[int]:
     """Waits for the batch's calls (``timeout_s``); keeps each episode that finished, and where
-    each suspended one waits."""
+    each suspended one waits. An episode whose engine failed is never kept half: it starts over
+    from its reset in the next round."""
     home_of = {i: home for part, home in zip(batch.call_slots, batch.call_homes, strict=True) for i in part}
-    answers, batch.call_homes = batch.take_answers(timeout_s), []
+    answers, batch.call_homes = batch.take_answers(timeout_s, fleet), []
     for i, episode in answers:
+        if episode is LOST:
+            batch.homes[i], batch.lost = None, batch.lost + 1
+            continue
         _keep(batch, i, episode, home_of[i])
     return {i // batch.group_size for i, _ in answers}
 

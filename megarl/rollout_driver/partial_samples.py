@@ -19,7 +19,7 @@ from typing import Any
 
 from megarl.rollout.sampling import SEGMENT_SEED_STRIDE, RolloutSample, SamplingConfig, SegmentRequest
 from megarl.rollout_driver.group_streams import groups_as_they_finish, open_segment_group_streams
-from megarl.rollout_driver.inflight import InFlight
+from megarl.rollout_driver.inflight import LOST, InFlight
 from megarl.utils.shares import contiguous_shares
 
 
@@ -79,23 +79,24 @@ def new_batch(index: int, prompt_ids: list[int], prompts: list[list[int]], n: in
     return PartialRollout(index, list(prompt_ids), n, slots)
 
 
-def submit(batch: PartialRollout, engines: list, sampling: SamplingConfig, version: int, epoch: int,
+def submit(batch: PartialRollout, engines: dict[int, Any], sampling: SamplingConfig, version: int, epoch: int,
            regenerate: bool = False) -> None:
     """Asks the engines to generate every unfinished slot (``regenerate``: from scratch) with
-    version ``version`` (the engines refuse another); each engine gets a contiguous share, so a
-    group's samples share its prompt's cache. Returns at once."""
+    version ``version`` (the engines refuse another); each engine (``engines``: the live ones by
+    index) gets a contiguous share, so a group's samples share its prompt's cache. Returns at once."""
     assert not batch.in_flight, "a batch's calls must be collected before it is submitted again"
     todo = [i for i, slot in enumerate(batch.slots) if slot.finish_reason is None]
     if regenerate:
         for i in todo:
             batch.slots[i].restart()
     parts = contiguous_shares(todo, len(engines))
-    batch.calls, batch.call_slots, batch.call_version = [], [], version
-    for engine, part in zip(engines, parts, strict=True):
+    batch.calls, batch.call_slots, batch.call_engines, batch.call_version = [], [], [], version
+    for (e, engine), part in zip(engines.items(), parts, strict=True):
         if part:
             requests = [batch.slots[i].request(sampling.max_tokens) for i in part]
             batch.calls.append(engine.generate_segments.remote(requests, sampling, epoch))
             batch.call_slots.append(part)
+            batch.call_engines.append(e)
 
 
 def stream(batch: PartialRollout, engines: list, sampling: SamplingConfig, version: int, epoch: int,
@@ -134,10 +135,12 @@ def take_groups(batch: PartialRollout, timeout_s: float) -> Iterator[int]:
         batch.streams = None
 
 
-def collect(batch: PartialRollout, timeout_s: float) -> None:
-    """Waits for the batch's calls (``timeout_s``) and adds each segment to its slot."""
-    for i, segment in batch.take_answers(timeout_s):
-        batch.slots[i].add(segment, batch.call_version)
+def collect(batch: PartialRollout, timeout_s: float, fleet: Any = None) -> None:
+    """Waits for the batch's calls (``timeout_s``) and adds each segment to its slot (a failed
+    engine's slots keep what they had, and go on elsewhere in the next round)."""
+    for i, segment in batch.take_answers(timeout_s, fleet):
+        if segment is not LOST:
+            batch.slots[i].add(segment, batch.call_version)
 
 
 def samples(batch: PartialRollout) -> tuple[list[list[RolloutSample]], list[list[int]]]:

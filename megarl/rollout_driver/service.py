@@ -31,8 +31,21 @@ from megarl.rewards.combined import RunReward
 from megarl.rollout_driver.batch import Rollout
 from megarl.rollout_driver.batch_queue import RolloutQueue
 from megarl.rollout_driver.manager import RolloutManager
+from megarl.rollout_driver.partial_episodes import PartialEpisodes, forget_engine
 from megarl.rollout_driver.scoring import Scores, Scoring
 from megarl.utils.abort import wait_all
+
+# The concurrency group of the calls about engine faults: they answer while a take waits on the
+# failed engine's calls (the service's other calls run one at a time).
+FLEET_GROUP = "fleet"
+
+
+def _fleet_method(fn):
+    try:
+        import ray
+    except ModuleNotFoundError:  # a machine without Ray runs no service anyway
+        return fn
+    return ray.method(concurrency_group=FLEET_GROUP)(fn)
 
 
 class RolloutService:
@@ -67,6 +80,32 @@ class RolloutService:
     def load(self, folder: str, state: dict[str, Any]) -> None:
         self.manager.load_state_dict(state["data"])
         self.queue.load(Path(folder), state["queue"])
+
+    # -- engine faults (megarl.rollout_driver.fleet) ---------------------------------------------
+
+    @_fleet_method
+    def engine_failed(self, index: int) -> None:
+        """The driver's watchdog saw engine ``index`` fail: answered while ``take`` waits on it."""
+        self.manager.fleet.mark_failed(index)
+
+    def replace_engine(self, index: int, engine: Any) -> None:
+        """Engine ``index``'s replacement, holding the current weights (between a drain and a resume)."""
+        self._forget_suspended(index, dropped=False)
+        self.manager.fleet.replace(index, engine)
+
+    def drop_engine(self, index: int) -> None:
+        self._forget_suspended(index, dropped=True)
+        self.manager.fleet.drop(index)
+
+    def _forget_suspended(self, index: int, dropped: bool) -> None:
+        """The episodes suspended on a failed engine start over from their reset (a replacement holds none)."""
+        for queued in self.queue.batches.values():
+            if isinstance(queued, PartialEpisodes):
+                forget_engine(queued, index, dropped)
+
+    @_fleet_method
+    def fleet_counters(self) -> dict[str, int]:
+        return self.manager.fleet.counters()
 
 
 class RolloutClient:
@@ -115,11 +154,28 @@ class RolloutClient:
     def turn_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
         return self.scoring.turn_rewards(rollout, scores)
 
+    def engine_failed(self, index: int) -> None:
+        """Tells the service engine ``index`` failed (no wait: the watchdog's thread calls it)."""
+        self._tell("engine_failed", index)
+
+    def replace_engine(self, index: int, engine: Any) -> None:
+        self._call("replace_engine", index, engine, timeout_s=self.call_timeout_s)
+
+    def drop_engine(self, index: int) -> None:
+        self._call("drop_engine", index, timeout_s=self.call_timeout_s)
+
+    def fleet_counters(self) -> dict[str, int]:
+        return self._call("fleet_counters", timeout_s=self.call_timeout_s)
+
     def stop(self) -> None:
         import ray
 
         with contextlib.suppress(Exception):
             ray.kill(self.actor)
+
+    def _tell(self, method: str, *args: Any) -> None:
+        """A call on the service that nobody waits for."""
+        getattr(self.actor, method).remote(*args)
 
     def _call(self, method: str, *args: Any, timeout_s: float) -> Any:
         from ray.exceptions import RayTaskError
@@ -141,6 +197,6 @@ def start_rollout_service(cfg: RunConfig, engines: list, tokenizer: Any, dataset
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(RolloutService).options(num_cpus=0, max_concurrency=1, scheduling_strategy=here
-                                               ).remote(cfg, engines, tokenizer, dataset)
+    actor = ray.remote(concurrency_groups={FLEET_GROUP: 1})(RolloutService).options(
+        num_cpus=0, max_concurrency=1, scheduling_strategy=here).remote(cfg, engines, tokenizer, dataset)
     return RolloutClient(actor, cfg, reward)

@@ -25,6 +25,7 @@ from megarl.data.prompts import prompt_dataset
 from megarl.platform import current_platform
 from megarl.rewards.combined import RunReward
 from megarl.rollout_driver.batch import RolloutBatch
+from megarl.rollout_driver.engine_restarts import EngineRestarts, engine_table
 from megarl.rollout_driver.service import RolloutClient, start_rollout_service
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.colocation import Colocation
@@ -66,6 +67,7 @@ class Run:
         self.kl_control = kl_controller(cfg.algorithm)  # kl_coef, adapted each step when algorithm.kl_target
         self.engines_start_blank = False  # random weights until the first sync (a megarl checkpoint's actor)
         self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
+        self.fleet: EngineRestarts | None = None  # replaces failed engines (rollout.max_engine_restarts)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -117,14 +119,9 @@ class Run:
                 continue
             self.roles[name] = self._start_role(name, role_cfg, slots[name])
         self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
-        from megarl.workers.weight_sync import WeightSync
-
         wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
         service_pid = self.rollout.pid()  # and the service is up
-        self.sync = WeightSync(self.roles["actor"].group, "actor", self.engines,
-                               bucket_bytes=int(cfg.trainer.bucket_mib * 2**20),
-                               timeout_s=cfg.trainer.collective_timeout_s * 4)
-        self.sync.setup()
+        self.sync = self._new_sync()
         self.checkpoints = CheckpointManager(self.run_dir)
         # which process is which rank: for `kill`, `py-spy dump` or a debugger
         pids = {name: role.group.pids for name, role in self.roles.items()} | {"rollout_service": [service_pid]}
@@ -132,6 +129,16 @@ class Run:
         self._start_watchdog(service_pid)
         self.generation_seconds()  # the steps' busy time counts from here
         return self
+
+    def _new_sync(self):
+        """The weight sync from the actor into ``self.engines``, set up (at start, and with a replaced engine)."""
+        from megarl.workers.weight_sync import WeightSync
+
+        tr = self.cfg.trainer
+        sync = WeightSync(self.roles["actor"].group, "actor", self.engines, bucket_bytes=int(tr.bucket_mib * 2**20),
+                          timeout_s=tr.collective_timeout_s * 4)
+        sync.setup()
+        return sync
 
     def _start_watchdog(self, service_pid: int) -> None:
         """Every rank and engine is watched from here on; engines.json says which process is which."""
@@ -142,31 +149,35 @@ class Run:
                                  answer_timeout_s=max(30.0, tr.collective_timeout_s, 10 * tr.watchdog_interval_s))
         for role in self.roles.values():
             self.watchdog.watch_group(role.group)
-        healths = wait_all([e.health.remote() for e in self.engines], tr.collective_timeout_s,
-                           "the engines' first liveness check")
+        engines = engine_table(self.engines, tr.collective_timeout_s)
         for index, engine in enumerate(self.engines):
             self.watchdog.watch_engine(index, engine)
         self.watchdog.watch_actor(f"the rollout service (pid {service_pid})", self.rollout.actor)
-        engines = [{"engine": i, "pid": h.pid, "processes": [{"pid": w.pid, "title": w.title} for w in h.watched]}
-                   for i, h in enumerate(healths)]
         write_text_atomic(self.run_dir / "engines.json", json.dumps(engines, indent=2))
+        self.fleet = EngineRestarts(self.cfg, self.engines, self.rollout, self.watchdog, self._start_engine,
+                                    self._new_sync, self.run_dir)
+        self.watchdog.engine_fault = self.fleet.on_fault
         self.watchdog.start()
 
     def _start_engines(self, actor_hf: Path, slot) -> list:
+        return [self._start_engine(i, actor_hf, slot) for i in range(self.cfg.rollout.engines)]
+
+    def _start_engine(self, i: int, actor_hf: Path | None = None, slot=None):
+        """Engine ``i`` on its placement bundle (again, for a replacement: the same settings and bundle)."""
         from megarl.rollout.backends import BACKENDS
         from megarl.rollout.remote import start_engine
 
         r = self.cfg.rollout
-        engine_class = BACKENDS[r.backend].load()
-        return [start_engine(str(actor_hf), tp=r.tp, dtype=r.dtype, max_model_len=r.max_model_len,
-                             engine_class=engine_class, max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib,
-                             seed=self.cfg.seed, gpu_memory_utilization=r.gpu_memory_utilization,
-                             load_format="dummy" if self.engines_start_blank else "auto",
-                             weights=r.weights, fp8_block=r.fp8_block,
-                             expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,
-                             placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
-                             num_gpus=slot.gpus_per_rank, cpu_threads=self._cpu_threads(slot))
-                for i in range(r.engines)]
+        actor_hf, slot = actor_hf or hf_folder(self.cfg.actor.model.path), slot or self.slots["rollout"]
+        return start_engine(str(actor_hf), tp=r.tp, dtype=r.dtype, max_model_len=r.max_model_len,
+                            engine_class=BACKENDS[r.backend].load(), max_num_seqs=r.max_num_seqs,
+                            kv_cache_gib=r.kv_cache_gib, seed=self.cfg.seed,
+                            gpu_memory_utilization=r.gpu_memory_utilization,
+                            load_format="dummy" if self.engines_start_blank else "auto",
+                            weights=r.weights, fp8_block=r.fp8_block,
+                            expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,
+                            placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
+                            num_gpus=slot.gpus_per_rank, cpu_threads=self._cpu_threads(slot))
 
     def _cpu_threads(self, slot) -> int | None:
         """CPU threads of each rank or engine process. Lockstep (None): all the cores, as one
@@ -231,20 +242,27 @@ class Run:
         (``trainer.verify_sync``). Generation still in flight is waited for first (or interrupted,
         and continued under the new weights: trainer.schedule=opportunistic)."""
         self.rollout.drain()
+        replaced = self.fleet is not None and bool(self.fleet.failed)
+        if replaced:  # a failed engine's replacement takes these weights before it serves
+            self.sync = self.fleet.replace_failed(self.sync)
         self.colocation.to_sync()
         report = self.sync.sync()
         wait_all([e.set_weight_version.remote(self.step) for e in self.engines], self.cfg.trainer.collective_timeout_s,
                  "recording the engines' weight version")
         self.rollout.resume(self.step)
         self.colocation.after_sync()
-        verified = self.verify_sync(batch) if batch is not None else {}
+        verified = self.verify_sync(batch, every=replaced) if batch is not None else {}
         self.colocation.actor_off()
+        if self.fleet is not None:
+            verified |= self.fleet.served_again(self.step)
         # the refit: its time (on GPU, of the transfer, not its enqueueing) and bytes
         return verified | {"time/refit_s": report.seconds, "sync/received_bytes": float(sum(report.received.values())),
                            "sync/bytes_ratio": report.bytes_ratio}
 
-    def verify_sync(self, batch: RolloutBatch) -> dict[str, float]:
-        if self.cfg.trainer.verify_sync == "never" or (self.cfg.trainer.verify_sync == "first" and self.step > 1):
+    def verify_sync(self, batch: RolloutBatch, every: bool = False) -> dict[str, float]:
+        """``every``: whatever ``trainer.verify_sync`` says (a replaced engine is checked before it serves)."""
+        mode = self.cfg.trainer.verify_sync
+        if not every and (mode == "never" or (mode == "first" and self.step > 1)):
             return {}
         report = self.sync.verify(batch.tokens[:2], tolerance=self.cfg.trainer.verify_tolerance)
         return {"sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
@@ -304,7 +322,8 @@ class Run:
         """Seconds the engines spent generating (summed over engines) since the last call."""
         total = sum(wait_all([e.busy_seconds.remote() for e in self.engines], self.cfg.trainer.collective_timeout_s,
                              "the engines' busy time"))
-        since, self._busy_mark = total - self._busy_mark, total
+        # a replaced engine's count starts over: that step's time is short by the old engine's
+        since, self._busy_mark = max(0.0, total - self._busy_mark), total
         return since
 
     def resume(self) -> int:

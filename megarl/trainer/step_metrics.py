@@ -75,6 +75,8 @@ def rollout_metrics(rollout: Rollout, step: int) -> dict:
         out |= episode_metrics(rollout.episodes)
     if rollout.interrupted_episodes is not None:  # episodes under the opportunistic schedule
         out["rollout/interrupted_episodes"] = rollout.interrupted_episodes
+    if rollout.lost_episodes:  # an engine's fault cut them: they started over on another engine
+        out["rollout/lost_episodes"] = rollout.lost_episodes
     if rollout.group_arrival_s is not None:  # rollout.granularity=group
         out["time/rollout_first_group_s"], out["time/rollout_last_group_s"] = rollout.group_arrival_s
     return out

@@ -25,9 +25,13 @@ class WatchedProcess:
 class ProcessDeath:
     pid: int
     title: str
-    how: str  # "exited" (reaped or gone) or "zombie" (dead, not yet reaped by its parent)
+    # "exited" (reaped or gone), "zombie" (dead, not yet reaped by its parent) or "stopped" (SIGSTOP:
+    # alive, and every call waiting on it hangs)
+    how: str
 
     def describe(self) -> str:
+        if self.how == "stopped":
+            return f"process {self.title} (pid {self.pid}) is stopped (hung)"
         return f"process {self.title} (pid {self.pid}) died"
 
 
@@ -56,7 +60,7 @@ def descendants(title_prefix: str = "", pid: int | None = None) -> list[WatchedP
 
 
 def deaths(watched: Sequence[WatchedProcess]) -> list[ProcessDeath]:
-    """Those of ``watched`` that are no longer running."""
+    """Those of ``watched`` that are no longer running, or stopped."""
     import psutil
 
     dead = []
@@ -65,8 +69,10 @@ def deaths(watched: Sequence[WatchedProcess]) -> list[ProcessDeath]:
             process = psutil.Process(proc.pid)
             if process.create_time() != proc.create_time:
                 dead.append(ProcessDeath(proc.pid, proc.title, "exited"))
-            elif process.status() == psutil.STATUS_ZOMBIE:
+            elif (status := process.status()) == psutil.STATUS_ZOMBIE:
                 dead.append(ProcessDeath(proc.pid, proc.title, "zombie"))
+            elif status == psutil.STATUS_STOPPED:  # not "tracing-stop": py-spy dump pauses it a moment
+                dead.append(ProcessDeath(proc.pid, proc.title, "stopped"))
         except psutil.NoSuchProcess:
             dead.append(ProcessDeath(proc.pid, proc.title, "exited"))
     return dead

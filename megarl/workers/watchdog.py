@@ -13,11 +13,15 @@ What it watches:
 
 On the first death it trips the run's abort signal with one line naming the role, the rank or
 engine, and the process; every driver-side wait raises it within a second (megarl.utils.abort).
+An engine's fault goes first to ``engine_fault`` where one is set (the run's engine restarts,
+``rollout.max_engine_restarts``): if it takes the fault on, that engine is no longer watched and
+the run goes on.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +37,11 @@ class _Watched:
     actor: Any  # Ray actor handle
     group: WorkerGroup | None = None  # None for an engine
     engine: bool = False
+    index: int = -1  # an engine's index in the fleet
+
+
+# (engine index, its Ray actor, the one line that names the fault) -> whether the run takes it on
+EngineFault = Callable[[int, Any, str], bool]
 
 
 def _actor_states() -> dict[str, str]:
@@ -50,13 +59,16 @@ class Watchdog:
         self._watched: list[_Watched] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.engine_fault: EngineFault | None = None
+        self._lock = threading.Lock()  # the watch thread and the driver's both change what is watched
 
     def watch_group(self, group: WorkerGroup) -> None:
         for rank, actor in enumerate(group.actors):
             self._watched.append(_Watched(f"role {group.role!r} rank {rank} (pid {group.pids[rank]})", actor, group))
 
     def watch_engine(self, index: int, engine: Any) -> None:
-        self._watched.append(_Watched(f"rollout engine {index}", engine, engine=True))
+        with self._lock:
+            self._watched.append(_Watched(f"rollout engine {index}", engine, engine=True, index=index))
 
     def watch_actor(self, label: str, actor: Any) -> None:
         """Any other actor the run depends on, by its state alone (``label`` names it in the line)."""
@@ -64,7 +76,16 @@ class Watchdog:
 
     def forget_engines(self) -> None:
         """Stops watching the rollout engines (before they are stopped on purpose)."""
-        self._watched = [w for w in self._watched if not w.engine]
+        with self._lock:
+            self._watched = [w for w in self._watched if not w.engine]
+
+    def _taken_on(self, w: _Watched, reason: str) -> bool:
+        """An engine's fault that ``engine_fault`` takes on: that engine is no longer watched."""
+        if not w.engine or self.engine_fault is None or not self.engine_fault(w.index, w.actor, reason):
+            return False
+        with self._lock:
+            self._watched = [x for x in self._watched if x is not w]
+        return True
 
     # -- checking -----------------------------------------------------------------------------
 
@@ -74,25 +95,32 @@ class Watchdog:
 
         answer_timeout_s = self.answer_timeout_s if answer_timeout_s is None else answer_timeout_s
         states = _actor_states()
-        for w in self._watched:
+        with self._lock:
+            watched = list(self._watched)
+        for w in watched:
             if w.group is not None and not w.group.alive:
                 continue  # torn down on purpose (its own failure was reported by the call that saw it)
             if states.get(w.actor._actor_id.hex()) == "DEAD":
-                return f"{w.label}: its process died (killed, crashed or out of memory)"
-        engines = [w for w in self._watched if w.engine]
+                reason = f"{w.label}: its process died (killed, crashed or out of memory)"
+                if not self._taken_on(w, reason):
+                    return reason
+        with self._lock:
+            engines = [w for w in self._watched if w.engine]
         if not engines:
             return None
         refs = [w.actor.health.remote() for w in engines]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=answer_timeout_s)
         for w, ref in zip(engines, refs, strict=True):
             if ref not in ready:
-                return f"{w.label}: did not answer a liveness check within {answer_timeout_s:.0f} s"
-            try:
-                health = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                return f"{w.label}: its process died (killed, crashed or out of memory)"
-            if health.dead:
-                return f"{w.label}: vLLM's {health.dead[0].describe()}"
+                reason = f"{w.label}: did not answer a liveness check within {answer_timeout_s:.0f} s"
+            else:
+                try:
+                    health = ray.get(ref)
+                    reason = f"{w.label}: vLLM's {health.dead[0].describe()}" if health.dead else None
+                except ray.exceptions.RayActorError:
+                    reason = f"{w.label}: its process died (killed, crashed or out of memory)"
+            if reason is not None and not self._taken_on(w, reason):
+                return reason
         return None
 
     def _loop(self) -> None:

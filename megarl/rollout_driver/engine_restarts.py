@@ -1,0 +1,185 @@
+"""The driver's side of a rollout fleet that survives engine faults (issue 42 item 1).
+
+The watchdog (``megarl.workers.watchdog``) reports an engine that died or stopped answering to
+``EngineRestarts.on_fault`` before it would end the run. The fault is taken on when the run can go
+on (``decide``): the rollout service is told at once, and sends that engine's calls to the others
+(``megarl.rollout_driver.fleet``). At the next weight sync, with nothing generating, the driver
+stops the failed engine, starts a new one on the same placement bundle with the same settings,
+forms the weight-sync group anew with it, and the sync gives it the actor's current weights; its
+log-probs are checked against the actor's (``trainer.verify_sync`` runs on every engine whatever its
+setting) before the service hands it any work. So a replaced engine never serves weights other than
+the version every engine holds.
+
+``rollout.max_engine_restarts`` bounds the restarts per run; past it a failed engine is dropped and
+the run goes on with the others while ``rollout.min_engines`` allows. Otherwise, and where this
+is not built (streamed groups, colocated engines, or no other engine
+left to finish the batch in flight), the run ends with the watchdog's one line as before. Under the
+opportunistic schedule a failed engine's calls are lost, not asked again at once: their samples
+keep the tokens they had and go on elsewhere in the schedule's next round, and their episodes start
+over from their reset (an episode is kept only whole: ``megarl.rollout_driver.partial_episodes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megarl.config.schema import RunConfig
+from megarl.utils.abort import wait_all
+from megarl.utils.atomic import write_text_atomic
+
+Decision = Literal["restart", "drop", "end"]
+_BACKOFF_CAP_S = 30.0
+
+
+def decide(restarts_used: int, max_restarts: int, live_after: int, min_engines: int) -> Decision:
+    """What a run does with an engine's fault: ``live_after`` engines serve once it is out."""
+    if live_after < 1:
+        return "end"  # no engine left to finish the batch in flight
+    if restarts_used < max_restarts:
+        return "restart"
+    return "drop" if live_after >= min_engines else "end"
+
+
+def backoff_s(nth_restart: int) -> float:
+    """How long after its fault the ``nth_restart``-th replacement (1-based) may start: 1, 2, 4 ... s."""
+    return min(_BACKOFF_CAP_S, 2.0 ** (nth_restart - 1))
+
+
+def unsupported(cfg: RunConfig) -> str | None:
+    """Why this run cannot ride through an engine's fault (None: it can)."""
+    if cfg.rollout.granularity != "batch":
+        return "rollout.granularity=group"
+    if cfg.rollout.colocate_with is not None:
+        return "rollout.colocate_with"
+    return None
+
+
+@dataclass
+class Fault:
+    index: int
+    reason: str
+    at: float  # time.monotonic() when the watchdog saw it
+    decision: Decision
+    nth: int = 0  # which restart of the run (a restart's)
+
+
+def engine_table(engines: list, timeout_s: float) -> list[dict]:
+    """Which process is which engine (engines.json): for ``kill``, ``py-spy dump`` or a debugger."""
+    healths = wait_all([e.health.remote() for e in engines], timeout_s, "the engines' liveness check")
+    return [{"engine": i, "pid": h.pid, "processes": [{"pid": w.pid, "title": w.title} for w in h.watched]}
+            for i, h in enumerate(healths)]
+
+
+class EngineRestarts:
+    def __init__(self, cfg: RunConfig, engines: list, rollout: Any, watchdog: Any,
+                 start_engine: Callable[[int], Any], new_sync: Callable[[], Any], run_dir: Path):
+        """``engines``: the run's list (replaced in place); ``rollout``: the service's client;
+        ``start_engine(i)``: engine i as the run started it; ``new_sync()``: a weight sync set up with
+        ``engines``."""
+        self.cfg, self.engines, self.rollout, self.watchdog = cfg, engines, rollout, watchdog
+        self.start_engine, self.new_sync, self.run_dir = start_engine, new_sync, run_dir
+        self.restarts = 0
+        self.dropped = 0
+        self.failed: dict[int, Fault] = {}  # taken on, not yet replaced or dropped
+        self.replaced: list[Fault] = []  # replaced at this weight sync: they serve once it is checked
+        self.fault_seconds: list[float] = []  # per replaced fault: from the fault to serving again
+        self._why_not = unsupported(cfg)
+        self._lock = threading.Lock()
+
+    # -- the watchdog's thread ----------------------------------------------------------------------
+
+    def on_fault(self, index: int, actor: Any, reason: str) -> bool:
+        """Whether the run takes engine ``index``'s fault on (else the watchdog ends the run)."""
+        r = self.cfg.rollout
+        with self._lock:
+            if index in self.failed:
+                return True
+            if self._why_not is not None or self.engines[index] is not actor:
+                return False
+            live_after = len(self.engines) - len(self.failed) - 1
+            decision = decide(self.restarts, r.max_engine_restarts, live_after, r.min_engines)
+            if decision == "end":
+                return False
+            fault = Fault(index, reason, time.monotonic(), decision)
+            if decision == "restart":
+                self.restarts += 1
+                fault.nth = self.restarts
+            self.failed[index] = fault
+        self.rollout.engine_failed(index)
+        then = (f"its work goes to the other engines and a replacement starts at the next weight sync "
+                f"(restart {fault.nth} of {r.max_engine_restarts})" if decision == "restart" else
+                f"no restarts left (rollout.max_engine_restarts={r.max_engine_restarts}): the run goes on "
+                f"with {live_after} engines")
+        print(f"fleet: {reason}; {then}", flush=True)
+        return True
+
+    # -- the driver's thread, at a weight sync with nothing generating ------------------------------
+
+    def replace_failed(self, sync: Any) -> Any:
+        """Replaces (or drops) the failed engines; returns the weight sync to use from now on: ``sync``
+        when nothing failed, else one formed anew with the engines that serve next."""
+        from megarl.rollout.remote import wait_ready
+
+        with self._lock:
+            faults, self.failed = sorted(self.failed.values(), key=lambda f: f.index), {}
+        if not faults:
+            return sync
+        timeout_s = self.cfg.trainer.collective_timeout_s
+        # the survivors leave the old group: the new one is formed with every engine that will hold weights
+        sync.engines = [e for i, e in enumerate(self.engines) if i not in {f.index for f in faults}]
+        sync.close()
+        for fault in faults:
+            self._stop(self.engines[fault.index])
+        restarts = [f for f in faults if f.decision == "restart"]
+        for fault in restarts:
+            time.sleep(max(0.0, fault.at + backoff_s(fault.nth) - time.monotonic()))
+            self.engines[fault.index] = self.start_engine(fault.index)
+        for fault in reversed([f for f in faults if f.decision == "drop"]):
+            del self.engines[fault.index]  # the evaluator's and colocation's list too: it is theirs
+            self.rollout.drop_engine(fault.index)
+            self.dropped += 1
+        wait_ready([self.engines[f.index] for f in restarts], timeout_s=self.cfg.trainer.step_timeout_s)
+        fresh = self.new_sync()
+        # every engine watched under its index now, the new ones with their processes in engines.json
+        self.watchdog.forget_engines()
+        for i, engine in enumerate(self.engines):
+            self.watchdog.watch_engine(i, engine)
+        write_text_atomic(self.run_dir / "engines.json", json.dumps(engine_table(self.engines, timeout_s), indent=2))
+        for fault in restarts:
+            self.rollout.replace_engine(fault.index, self.engines[fault.index])
+        self.replaced = restarts
+        return fresh
+
+    def served_again(self, step: int) -> dict[str, float]:
+        """After the weight sync of ``step`` (and its check): the replaced engines serve from the next
+        step. The fleet's metrics."""
+        took = 0.0
+        for fault in self.replaced:
+            took = max(took, time.monotonic() - fault.at)
+            self.fault_seconds.append(took)
+            print(f"fleet: rollout engine {fault.index} holds weight version {step}, checked against the actor, "
+                  f"and serves again from step {step + 1} ({took:.1f} s after its fault)", flush=True)
+        metrics = {"fleet/engines_alive": float(len(self.engines) - len(self.failed)),
+                   "fleet/engine_restarts": float(self.restarts), "fleet/engines_dropped": float(self.dropped)}
+        if self.replaced:
+            metrics["fleet/fault_s"] = took
+        self.replaced = []
+        counters = self.rollout.fleet_counters()
+        return metrics | {"fleet/redispatched": float(counters["redispatched"]),
+                          "fleet/stragglers": float(counters["stragglers"])}
+
+    def _stop(self, engine: Any) -> None:
+        """A failed engine's processes killed, then its actor (it may be blocked in a call)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.get(engine.kill_processes.remote(), timeout=5.0)
+        with contextlib.suppress(Exception):
+            ray.kill(engine)

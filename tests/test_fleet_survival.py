@@ -1,0 +1,146 @@
+"""A rollout fleet that survives an engine's fault (issue 42 items 1, 2 and 4), through `megarl train`.
+
+One 8-step run with two engines under the exact schedule: kill -9 of engine 0's vLLM core while
+step 3 generates. Its calls go to engine 1, a new engine starts on engine 0's placement bundle,
+takes the actor's weights at step 3's weight sync (its log-probs checked against the actor's, by
+vLLM's own scoring) and serves again from step 4. Then SIGSTOP of engine 1's core while step 6
+generates (a hang: the process lives, nothing it serves moves): it is replaced the same way and
+serves again from step 7. The run finishes all 8 steps and trains every prompt of the dataset's
+first 8 batches once, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_policy
+from length_reward import serve as serve_length_reward
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory, smollm2) -> Path:
+    return build_tiny_policy(tmp_path_factory.mktemp("policy") / "llama", smollm2)
+
+
+@pytest.fixture(scope="module")
+def reward_url():
+    url, server = serve_length_reward()
+    yield url
+    server.shutdown()
+
+
+def _overrides(policy: Path, reward_url: str, out: Path) -> list[str]:
+    return [f"actor.model.path={policy}", "reference=null", f"output_dir={out}", "trainer.steps=8",
+            "trainer.save_every=0", "trainer.verify_sync=first", "rollout.engines=2", "data.prompts_per_step=2",
+            "data.size=32", "rollout.n=4", "rollout.max_tokens=12", "rollout.max_model_len=256",
+            "data.max_prompt_len=128", "actor.micro_batch_size=8", "actor.optim.lr=1e-3", "algorithm.kl_coef=0",
+            "trainer.tensorboard=false", "trainer.wandb=false", "trainer.collective_timeout_s=20", "eval.sets=[]",
+            "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
+
+
+def _wait_for(run_dir: Path, proc: subprocess.Popen, step: int, phase: str, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if json.loads((run_dir / "progress.json").read_text()) == {"step": step, "phase": phase}:
+                return
+        except (OSError, ValueError):  # not written yet
+            pass
+        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"step {step}, phase {phase!r} not reached within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def _engine_pid(run_dir: Path, engine: int, title: str) -> int:
+    table = json.loads((run_dir / "engines.json").read_text())
+    return next(p["pid"] for p in table[engine]["processes"] if p["title"].startswith(title))
+
+
+def test_an_engine_killed_mid_rollout_is_replaced_and_every_prompt_trains_once(policy, reward_url, tmp_path, cli):
+    from megarl.config.loader import load_config
+    from megarl.config.schema import RunConfig
+    from megarl.data.prompts import prompt_dataset
+    from megarl.recipes import DEFAULT
+
+    run_dir = tmp_path / "fleet"
+    overrides = _overrides(policy, reward_url, run_dir)
+    proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        _wait_for(run_dir, proc, 3, "rollout")
+        killed = _engine_pid(run_dir, 0, "VLLM::EngineCore")
+        os.kill(killed, signal.SIGKILL)
+        _wait_for(run_dir, proc, 6, "rollout")
+        stopped = _engine_pid(run_dir, 1, "VLLM::EngineCore")
+        os.kill(stopped, signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [h["step"] for h in history] == list(range(1, 9))
+    # each replacement took its step's weights, checked against the actor's, and served from the next step
+    for engine, step, pid, how in ((0, 3, killed, "died"), (1, 6, stopped, "is stopped (hung)")):
+        seen = f"fleet: rollout engine {engine}: vLLM's process VLLM::EngineCore (pid {pid}) {how}; its work goes"
+        assert any(line.startswith(seen) for line in output.splitlines()), output[-3000:]
+        [back] = [line for line in output.splitlines() if f"rollout engine {engine} holds weight version" in line]
+        assert f"version {step}," in back and f"serves again from step {step + 1}" in back, back
+        took = float(re.search(r"\(([\d.]+) s after its fault\)", back).group(1))
+        print(f"engine {engine} ({'SIGKILL' if engine == 0 else 'SIGSTOP'} of its core at step {step}): "
+              f"serving again {took:.1f} s after the watchdog saw the fault")
+        h = history[step - 1]
+        assert h["sync/max_abs_logprob_diff"] <= 1e-3, h  # verify_sync=first, yet run for the new engine
+        assert "sync/max_abs_logprob_diff" not in history[step]  # and only then
+        assert h["fleet/engine_restarts"] == engine + 1 and h["fleet/fault_s"] == pytest.approx(took, abs=0.1)
+        assert h["fleet/redispatched"] >= engine + 1, "the fault found no call to send elsewhere: nothing was tested"
+    assert [h["fleet/engines_alive"] for h in history] == [2.0] * 8
+    # every prompt of the dataset's first 8 batches trained once, in order: none lost, none twice
+    cfg = load_config(RunConfig, DEFAULT, overrides)
+    dataset = prompt_dataset(cfg.data)
+    assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(8)]
+    # the replacements are watched under the failed engines' indexes, with processes of their own
+    assert _engine_pid(run_dir, 0, "VLLM::EngineCore") != killed
+    assert _engine_pid(run_dir, 1, "VLLM::EngineCore") != stopped
+
+
+# ---------------------------------------------------------------- the pieces that need no engine
+
+def test_what_a_run_does_with_an_engine_fault():
+    from megarl.rollout_driver.engine_restarts import backoff_s, decide
+
+    assert decide(restarts_used=0, max_restarts=2, live_after=1, min_engines=1) == "restart"
+    assert decide(restarts_used=2, max_restarts=2, live_after=1, min_engines=1) == "drop"  # fewer engines
+    assert decide(restarts_used=2, max_restarts=2, live_after=1, min_engines=2) == "end"  # too few
+    assert decide(restarts_used=0, max_restarts=0, live_after=3, min_engines=4) == "end"
+    # with no engine left to finish the batch in flight the run ends, as it did before (one engine)
+    assert decide(restarts_used=0, max_restarts=2, live_after=0, min_engines=1) == "end"
+    assert [backoff_s(n) for n in (1, 2, 3, 7)] == [1.0, 2.0, 4.0, 30.0]
+
+
+def test_a_stopped_process_counts_as_hung(subprocesses):
+    from megarl.utils import process_watch
+
+    child = subprocesses.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watched = [p for p in process_watch.descendants() if p.pid == child.pid]
+        assert process_watch.deaths(watched) == []
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        [hung] = process_watch.deaths(watched)
+        assert (hung.pid, hung.how) == (child.pid, "stopped")
+        assert hung.describe().endswith(f"(pid {child.pid}) is stopped (hung)")
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        assert process_watch.deaths(watched) == []
+    finally:
+        child.kill()
+        child.wait()
