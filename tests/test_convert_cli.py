@@ -71,14 +71,14 @@ def test_round_trip_hf_mcore_hf_is_bitwise(llama_with_side_files, ckpt22, tmp_pa
 
 @pytest.mark.parametrize("family,layout", [("qwen3", "--tp 2 --pp 2"), ("qwen3_moe", "--tp 2 --ep 2 --etp 1"),
                                            ("qwen2_moe", "--tp 2 --pp 2"), ("gemma3_text", "--tp 2 --pp 2")])
-def test_round_trip_of_another_family_is_bitwise(family, layout, tiny_models, tmp_path, megarl):
+def test_round_trip_of_another_family_is_bitwise(family, layout, tiny_models, tmp_path, capsys, starts_processes):
     """The round trip above (a Llama) for the families with tensors of their own (Qwen3's QK-norms,
     Qwen3-MoE's router and experts, Qwen2-MoE's shared expert and its gate, Gemma-3's four norms per
     layer and QK-norms, its embedding tied); Qwen3-MoE written with
     attention over tp=2 and each expert whole over ep=2 (etp=1: two ranks in all)."""
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    megarl("convert", "hf-to-mcore", "--hf", str(tiny_models[family]), "--out", str(ckpt), *layout.split())
-    megarl("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--no-tokenizer")
+    _converted(capsys, "hf-to-mcore", "--hf", str(tiny_models[family]), "--out", str(ckpt), *layout.split())
+    _converted(capsys, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--no-tokenizer")
     original, returned = load_file(tiny_models[family] / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(original) == sorted(returned)
     for name in original:
@@ -87,12 +87,12 @@ def test_round_trip_of_another_family_is_bitwise(family, layout, tiny_models, tm
     assert json.loads((back / "config.json").read_text())["model_type"] == family
 
 
-def test_reshard_keeps_logits(ckpt22, llama_with_side_files, tmp_path, pools, megarl):
+def test_reshard_keeps_logits(ckpt22, llama_with_side_files, tmp_path, pools, capsys):
     tokens = random_tokens()
     expected = hf_logits(llama_with_side_files, tokens)
     ck11, ck21 = tmp_path / "ck11", tmp_path / "ck21"
-    megarl("convert", "reshard", "--ckpt", str(ckpt22), "--out", str(ck11), "--tp", "1", "--pp", "1")
-    megarl("convert", "reshard", "--ckpt", str(ck11), "--out", str(ck21), "--tp", "2", "--pp", "1")
+    _converted(capsys, "reshard", "--ckpt", str(ckpt22), "--out", str(ck11), "--tp", "1", "--pp", "1")
+    _converted(capsys, "reshard", "--ckpt", str(ck11), "--out", str(ck21), "--tp", "2", "--pp", "1")
     assert json.loads((ck21 / "megarl.json").read_text())["written_at_layout"]["tp"] == 2
     for ckpt, (tp, pp) in ((ck11, (1, 1)), (ck21, (2, 1)), (ck21, (1, 2))):
         results = pools.get(4).run(jobs.checkpoint_logits, ckpt_dir=str(ckpt),
@@ -105,20 +105,20 @@ def _max_dlogit(stdout: str) -> float:
     return float(re.search(r"max \|dlogit\|\s+(\S+)", stdout).group(1))
 
 
-def test_verify_passes_and_catches_wrong_weights(ckpt22, llama_with_side_files, tmp_path, megarl):
-    ok = megarl("convert", "verify", "--hf", str(llama_with_side_files), "--ckpt", str(ckpt22), "--tp", "2",
-                "--pp", "2", "--seq", "32")
-    assert "PASS" in ok.stdout and _max_dlogit(ok.stdout) <= 1e-3
+def test_verify_passes_and_catches_wrong_weights(ckpt22, llama_with_side_files, tmp_path, capsys):
+    ok = _converted(capsys, "verify", "--hf", str(llama_with_side_files), "--ckpt", str(ckpt22), "--tp", "2",
+                    "--pp", "2", "--seq", "32")
+    assert "PASS" in ok and _max_dlogit(ok) <= 1e-3
     # The same model with one weight off by 1%: verify must fail, and say so.
     wrong = tmp_path / "wrong"
     shutil.copytree(llama_with_side_files, wrong)
     tensors = load_file(wrong / "model.safetensors")
     tensors["model.layers.2.mlp.down_proj.weight"] *= 1.01
     save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
-    bad = megarl("convert", "verify", "--hf", str(wrong), "--ckpt", str(ckpt22), "--tp", "2", "--seq", "32",
-                 check=False)
-    assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "FAIL" in bad.stdout and _max_dlogit(bad.stdout) > 1e-3
+    code, bad, err = _convert_in_process(capsys, "verify", "--hf", str(wrong), "--ckpt", str(ckpt22), "--tp", "2",
+                                         "--seq", "32")
+    assert code == 1, bad + err
+    assert "FAIL" in bad and _max_dlogit(bad) > 1e-3
 
 
 def _refused(capsys, argv: list[str], *fragments: str) -> None:
@@ -220,6 +220,16 @@ def _convert_in_process(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main(parser.parse_args(["convert", *argv]))
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def _converted(capsys, *argv: str) -> str:
+    """`megarl convert ARGV` run to success in this process (its ranks are processes of their own
+    all the same); its output. The command line as a process of its own is ckpt22's, the Llama
+    round trip's, --help's and the interrupted conversion's: the rest save an interpreter start-up
+    (torch and megatron imported again) per command."""
+    code, stdout, stderr = _convert_in_process(capsys, *argv)
+    assert code == 0, f"megarl convert {' '.join(argv)} exited {code}:\n{stdout}\n{stderr}"
+    return stdout
 
 
 def _safetensors(path, header: object, data: bytes = b"") -> None:
