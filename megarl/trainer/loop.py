@@ -17,6 +17,7 @@ from megarl.algorithms.base import ScoredBatch
 from megarl.algorithms.distill import teacher_metrics
 from megarl.config.schema import RunConfig
 from megarl.trainer.evaluation import final_table
+from megarl.trainer.restarts import Restarts
 from megarl.trainer.run import Run
 from megarl.trainer.step_metrics import rollout_metrics, step_metrics, timing
 from megarl.trainer.update_batches import policy_batch, value_batch
@@ -34,59 +35,63 @@ def train(cfg: RunConfig) -> list[dict]:
         reward_model = run.roles.get("reward_model") if rollout.needs_reward_model else None  # else it seeds the critic
         if start == 0 and (before := run.evaluate()):  # the held-out sets before any update, as step 0
             log.log(0, before)
-        for run.step in range(start + 1, cfg.trainer.steps + 1):
-            began = time.perf_counter()
-            algo = replace(cfg.algorithm, kl_coef=run.kl_control.value)  # adapted each step (kl_target)
-            with run.phase("rollout"):
-                device.to_rollout()  # the Megatron roles leave the device to vLLM
-                samples = rollout.take(run.step)  # and batches up to step + k are on their way
-                device.to_training()  # vLLM sleeps, the roles come back
-            batch = samples.batch
-            with run.phase("reward"):
-                scores, parts = rollout.score(samples, reward_model.scores(batch) if reward_model else None)
-            with run.phase("reference"):
-                ref = reference.logprobs(batch) if reference else None
-            taught = None
-            if teacher:  # its own phase only where there is one: no time/teacher_s otherwise
-                with run.phase("teacher"):
-                    taught = teacher.logprobs(batch)
-            warming = run.step <= cfg.trainer.critic_warmup  # the critic learns first, the actor waits
-            with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
-                needed = warming or algorithm.needs_old_logprobs(algo)
-                old = actor.logprobs(batch, entropy=True) if needed else None
-            with run.phase("critic_values"):
-                values = critic.values(batch) if critic else None
-            with run.phase("advantages"):
-                before = None if old is None else old.logprobs  # the actor's, for KL in the reward
-                turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
-                scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns, taught)
-                est = algorithm.estimate(algo, scored)
-            metrics = {}
-            if not warming:
-                with run.phase("actor_update"):
-                    metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), algo)
-                    old = old or fresh
-            metrics |= actor.routing_mismatch()  # R3: the routings its forwards replayed that differ
-            if critic:
-                with run.phase("critic_update"):
-                    metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), algo)[0]
-            with run.phase("rollout_wait"):  # the engines finish what they generate ahead (or stop it)
-                rollout.drain()
-            with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off
-                verified = run.sync_weights(batch)
-                generating = run.generation_seconds()  # the engines' time in generate() this step
-            metrics |= step_metrics(batch, scores, parts, old, ref, est, algo) | verified
-            if taught is not None:  # on the samples' response tokens, before the update
-                metrics |= teacher_metrics(before, taught, batch.mask)
-            if algo.kl_target is not None and "kl/mean" in metrics:  # the coefficient for the next step
-                metrics["kl/coef"] = run.kl_control.update(metrics["kl/mean"], n_steps=batch.size)
-            offloaded = device.take_offloaded_bytes() if device.active else None
-            metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded, generating,
-                              len(run.engines))
-            metrics |= rollout_metrics(samples, run.step) | run.evaluate()  # eval: every eval.every steps, the last
-            log.log(run.step, metrics)
-            if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
-                run.save()
+        restarts = Restarts(run, log)  # a Megatron rank that dies: the roles come back (trainer.max_restarts)
+        while run.step < cfg.trainer.steps:
+            with restarts.guard():  # on a rank's death: back to the last checkpoint or snapshot, run.step too
+                run.step += 1
+                began = time.perf_counter()
+                algo = replace(cfg.algorithm, kl_coef=run.kl_control.value)  # adapted each step (kl_target)
+                with run.phase("rollout"):
+                    device.to_rollout()  # the Megatron roles leave the device to vLLM
+                    samples = rollout.take(run.step)  # and batches up to step + k are on their way
+                    device.to_training()  # vLLM sleeps, the roles come back
+                batch = samples.batch
+                with run.phase("reward"):
+                    scores, parts = rollout.score(samples, reward_model.scores(batch) if reward_model else None)
+                with run.phase("reference"):
+                    ref = reference.logprobs(batch) if reference else None
+                taught = None
+                if teacher:  # its own phase only where there is one: no time/teacher_s otherwise
+                    with run.phase("teacher"):
+                        taught = teacher.logprobs(batch)
+                warming = run.step <= cfg.trainer.critic_warmup  # the critic learns first, the actor waits
+                with run.phase("actor_logprobs"):  # on-policy, the update's own forward gives them
+                    needed = warming or algorithm.needs_old_logprobs(algo)
+                    old = actor.logprobs(batch, entropy=True) if needed else None
+                with run.phase("critic_values"):
+                    values = critic.values(batch) if critic else None
+                with run.phase("advantages"):
+                    before = None if old is None else old.logprobs  # the actor's, for KL in the reward
+                    turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
+                    scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns, taught)
+                    est = algorithm.estimate(algo, scored)
+                metrics = {}
+                if not warming:
+                    with run.phase("actor_update"):
+                        metrics, fresh = actor.train(train_policy, policy_batch(batch, est, old, ref, cfg), algo)
+                        old = old or fresh
+                metrics |= actor.routing_mismatch()  # R3: the routings its forwards replayed that differ
+                if critic:
+                    with run.phase("critic_update"):
+                        metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), algo)[0]
+                with run.phase("rollout_wait"):  # the engines finish what they generate ahead (or stop it)
+                    rollout.drain()
+                with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off
+                    verified = run.sync_weights(batch)
+                    generating = run.generation_seconds()  # the engines' time in generate() this step
+                metrics |= step_metrics(batch, scores, parts, old, ref, est, algo) | verified
+                if taught is not None:  # on the samples' response tokens, before the update
+                    metrics |= teacher_metrics(before, taught, batch.mask)
+                if algo.kl_target is not None and "kl/mean" in metrics:  # the coefficient for the next step
+                    metrics["kl/coef"] = run.kl_control.update(metrics["kl/mean"], n_steps=batch.size)
+                offloaded = device.take_offloaded_bytes() if device.active else None
+                metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded, generating,
+                                  len(run.engines))
+                metrics |= rollout_metrics(samples, run.step) | run.evaluate()  # eval: every eval.every steps, the last
+                log.log(run.step, metrics | restarts.metrics())
+                if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
+                    run.save()
+                restarts.after_step()  # this step's state is the restore point (its checkpoint, or a copy)
         run.release_inference()  # the engines and scoring roles are done: their memory is free to save in
         run.save()
         plots = log.close()

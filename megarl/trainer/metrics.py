@@ -44,6 +44,16 @@ class MetricsLogger:
                 if line.strip() and json.loads(line)["step"] <= resume_step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
+    def rewind(self, step: int) -> None:
+        """Back to ``step`` in the middle of a run (a restart in place, ``megarl.trainer.restarts``):
+        the steps after it are dropped and will be logged again. wandb keeps what it was sent."""
+        self._truncate(step)
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=step + 1)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
         with open(self.path, "a") as f:

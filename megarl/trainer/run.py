@@ -333,16 +333,22 @@ class Run:
             if self.engines_start_blank:  # the first rollout (and evaluation) must see the actor's weights
                 self.sync_weights()
             return 0
-        state = self.checkpoints.trainer_state(latest)
-        for name, role in self.trained_roles().items():
-            role.restore(str(latest / name), with_optimizer=True)
+        self.restore(latest)
+        print(f"resumed from {latest} (step {self.step})", flush=True)
+        return self.step
+
+    def restore(self, checkpoint: Path, roles: bool = True) -> None:
+        """The step, the KL coefficient, the prompt stream and the rollout queue as ``checkpoint``
+        holds them, and (``roles``) the trained roles' state; then the engines take the actor's weights."""
+        state = self.checkpoints.trainer_state(checkpoint)
+        for name, role in self.trained_roles().items() if roles else ():
+            role.restore(str(checkpoint / name), with_optimizer=True)
         self.step = state["step"]
         if "kl_control" in state:
             self.kl_control.load_state_dict(state["kl_control"])
-        self.rollout.load(latest, {"data": state["data"], "queue": state.get("queue", {"next_index": self.step + 1})})
+        self.rollout.load(checkpoint, {"data": state["data"],
+                                       "queue": state.get("queue", {"next_index": self.step + 1})})
         self.sync_weights()
-        print(f"resumed from {latest} (step {self.step})", flush=True)
-        return self.step
 
     def logger(self, resume_step: int) -> MetricsLogger:
         tr = self.cfg.trainer

@@ -61,11 +61,15 @@ _CLOSE_TIMEOUT_S = 10.0
 class WorkerGroupError(RuntimeError):
     """A call on a WorkerGroup failed; the message names role, rank(s), function and cause."""
 
-    def __init__(self, message: str, role: str = "", ranks: Sequence[int] = (), what: str = ""):
+    def __init__(self, message: str, role: str = "", ranks: Sequence[int] = (), what: str = "",
+                 died: Sequence[int] = ()):
         super().__init__(message)
         self.role = role
         self.ranks = list(ranks)  # the ranks that failed, or did not answer in time
         self.what = what  # the function (or start-up step) that failed
+        # the ranks whose process died (not a rank that raised): a restart can bring those back
+        # (trainer.max_restarts), while an error a rank raises would only repeat
+        self.died = list(died)
 
 
 @dataclass(frozen=True)
@@ -388,7 +392,7 @@ class WorkerGroup:
         others = [rank for rank in failures if rank != first]
         if others:
             head += f"; also failed: ranks {others}"
-        return WorkerGroupError(f"{head}:\n{failures[first][1]}", self.role, list(failures), what)
+        return WorkerGroupError(f"{head}:\n{failures[first][1]}", self.role, list(failures), what, died)
 
     def _timed_out(self, what: str, ranks: list[int], timeout_s: float, starting: bool) -> WorkerGroupError:
         self._teardown(f"{what} timed out")
