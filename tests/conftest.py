@@ -363,9 +363,10 @@ def ray_session():
     ensure_ray()
 
 
-# One SmolLM2 engine (vLLM TP 1) for consecutive modules that only generate with it
-# (test_episodes, test_evaluation): started by the first, stopped when a module that does not
-# use it starts, so its memory is free for the modules that start engines of their own.
+# One SmolLM2 engine (vLLM TP 1) for the modules that only generate with it (test_endpoint_engine,
+# test_episodes, test_evaluation): started by the first, kept through the fast modules between them
+# (they start no process), and stopped when a module that starts processes of its own comes, or no
+# later module uses it, so its memory is free for the modules that start engines of their own.
 _SHARED_ENGINE: dict = {}
 
 
@@ -392,9 +393,14 @@ def smollm2_engine(smollm2, ray_session):
 
 @pytest.fixture(scope="module", autouse=True)
 def _shared_engine_only_while_used(request):
-    items = [item for item in request.session.items if item.module is request.module]
-    if _SHARED_ENGINE and not any("smollm2_engine" in item.fixturenames for item in items):
-        _stop_shared_engine()
+    if _SHARED_ENGINE:
+        items = request.session.items
+        mine = [item for item in items if item.module is request.module]
+        if not any("smollm2_engine" in item.fixturenames for item in mine):
+            later = items[items.index(mine[0]) + 1:] if mine else []
+            if any(item.get_closest_marker("integration") for item in mine) or not any(
+                    "smollm2_engine" in item.fixturenames for item in later):
+                _stop_shared_engine()
     yield
 
 
