@@ -168,8 +168,6 @@ class Restarts:
 
     def _restart(self) -> None:
         """Every Megatron role's ranks again, on the same bundles; the trained ones at the restore point."""
-        from megarl.workers.weight_sync import WeightSync
-
         run, tr, point = self.run, self.run.cfg.trainer, self.point
         run.watchdog.stop()
         RUN_ABORT.reset()  # the death it tripped on is handled here
@@ -188,9 +186,7 @@ class Restarts:
         for role in run.roles.values():
             if isinstance(role, BaseOfActor):
                 role.group = role.actor.group
-        run.sync = WeightSync(run.roles["actor"].group, "actor", run.engines,
-                              bucket_bytes=int(tr.bucket_mib * 2**20), timeout_s=timeout_s)
-        run.sync.setup()
+        run.sync = run._new_sync()  # the new actor ranks and the same engines
         if point.checkpoint is not None:
             run.restore(point.checkpoint)
         else:

@@ -154,8 +154,11 @@ class Run:
             self.watchdog.watch_engine(index, engine)
         self.watchdog.watch_actor(f"the rollout service (pid {service_pid})", self.rollout.actor)
         write_text_atomic(self.run_dir / "engines.json", json.dumps(engines, indent=2))
-        self.fleet = EngineRestarts(self.cfg, self.engines, self.rollout, self.watchdog, self._start_engine,
-                                    self._new_sync, self.run_dir)
+        if self.fleet is None:
+            self.fleet = EngineRestarts(self.cfg, self.engines, self.rollout, self.watchdog, self._start_engine,
+                                        self._new_sync, self.run_dir)
+        else:  # the roles restarted in place (megarl.trainer.restarts): the fleet's counts go on
+            self.fleet.watchdog = self.watchdog
         self.watchdog.engine_fault = self.fleet.on_fault
         self.watchdog.start()
 
