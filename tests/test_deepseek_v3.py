@@ -7,6 +7,8 @@ layout, its loss and gradient norm for a training step; the HF round trip is bit
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import VOCAB, hf_logits, random_tokens
@@ -29,7 +31,9 @@ def tiny_deepseek_config(**overrides):
                   routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16,
                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=VOCAB,
                   max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  # as the released config.json says (transformers does not write them; vLLM reads them)
+                  topk_method="noaux_tc", scoring_func="sigmoid")
     fields.update(overrides)
     return transformers.DeepseekV3Config(**fields)
 
@@ -83,8 +87,7 @@ def test_parameter_count_is_transformers():
     ({"norm_topk_prob": False, "n_group": 1, "topk_group": 1}, "norm_topk_prob"),
     ({"n_shared_experts": 0}, "n_shared_experts"),
     ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                          "original_max_position_embeddings": 64}}, "rope type"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}, "rope type"),
     ({"n_group": 3}, "n_group"),
 ])
 def test_unsupported_settings_are_refused_by_name(overrides, field):
@@ -96,11 +99,26 @@ def test_unsupported_settings_are_refused_by_name(overrides, field):
 def test_logits_match_transformers_and_round_trip_is_bitwise(tp, pp, ep, deepseek, pools, tmp_path):
     """Written at each layout (two ranks: tp1 is dp2), read back there: transformers' logits; and
     exported back to HF from there, every tensor bitwise the original (the routers' expert bias too)."""
+    _check_logits_and_round_trip(deepseek, ParallelConfig(tp=tp, pp=pp, ep=ep, world_size=2), pools, tmp_path)
+
+
+def test_yarn_logits_match_transformers(pools, tmp_path):
+    """DeepSeek-V3's YaRN rope (its released config: factor 40 over 4096 positions), here factor 4 over
+    32 with an mscale that differs from mscale_all_dim, so the blended frequencies, the rotary
+    attention factor and the score scale all matter; tp2."""
+    hf = build_tiny_deepseek(tmp_path / "hf", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0})
+    assert arch_from_hf_config(json.loads((hf / "config.json").read_text())).extra["yarn"]["factor"] == 4.0
+    _check_logits_and_round_trip(hf, ParallelConfig(tp=2, world_size=2), pools, tmp_path)
+
+
+def _check_logits_and_round_trip(hf, par, pools, tmp_path):
     from safetensors.torch import load_file
 
+    deepseek, tp, pp, ep = hf, par.tp, par.pp, par.ep
     tokens = random_tokens(batch=2, seq=32)
     expected = hf_logits(deepseek, tokens)
-    par = ParallelConfig(tp=tp, pp=pp, ep=ep, world_size=2)
     pool, ckpt, back = pools.get(2), tmp_path / "ckpt", tmp_path / "back"
     ckpt.mkdir()
     pool.run(jobs.hf_to_mcore, hf_dir=str(deepseek), out_dir=str(ckpt), parallel=par, dtype="float32")
@@ -115,3 +133,51 @@ def test_logits_match_transformers_and_round_trip_is_bitwise(tp, pp, ep, deepsee
     for name in original:
         assert original[name].dtype == returned[name].dtype, name
         assert torch.equal(original[name], returned[name]), name
+
+
+def test_training_step_matches_transformers_and_is_layout_independent(deepseek, pools):
+    """Step 0 (before any update): transformers' loss and gradient norm (MLA's projections and latent
+    norms, the dense first layer, routed and shared experts, the sigmoid router's weight); the three
+    steps' losses and norms agree across layouts (tp1 is dp2, and ep2).
+
+    Not at tp > 1: megatron-core 0.16.1's local-spec MLA splits ``linear_kv_down_proj`` over tp and
+    gathers its output, and the gather's backward keeps each rank's own columns only; the rope key
+    (those columns, shared by every head) then gets the gradient of one rank's heads, not all of
+    them. Measured on this model with every layer dense: the step-0 gradient norm is 4.1300 at tp2
+    (4.1295 with sequence parallelism) against transformers' 4.1459, the loss equal."""
+    import rank_jobs
+    from test_train_step import _hf_loss_and_grad_norm
+
+    tokens = random_tokens(batch=4, seq=33, seed=3)
+    hf_loss, hf_norm = _hf_loss_and_grad_norm(deepseek, tokens)
+    base = None
+    for par in (ParallelConfig(world_size=2), ParallelConfig(ep=2, world_size=2)):
+        results = pools.get(2).run(rank_jobs.lm_train_losses, hf_dir=str(deepseek), parallel=par, tokens=tokens,
+                                   steps=3)
+        run = next(r for r in results if r is not None)
+        print(f"deepseek_v3 {par.tp=} {par.ep=}: loss {run['loss']} (transformers {hf_loss:.6f}), "
+              f"grad norm {run['grad_norm'][0]:.6f} (transformers {hf_norm:.6f})")
+        assert abs(run["loss"][0] - hf_loss) <= 1e-5, (par, run["loss"][0], hf_loss)
+        assert abs(run["grad_norm"][0] - hf_norm) <= 1e-5 * hf_norm, (par, run["grad_norm"][0], hf_norm)
+        base = base or run
+        assert base["loss"][2] < base["loss"][0] - 0.1, f"three Adam steps should lower the loss: {base}"
+        for key in ("loss", "grad_norm"):
+            for step, (a, b) in enumerate(zip(base[key], run[key], strict=True)):
+                assert abs(a - b) <= 1e-5, f"{par}: step {step} {key} {b} != {a} at tp=1"
+
+
+def test_planner_counts_deepseek_v3_as_published():
+    """The shipped DeepSeek-V3 architecture: 671B parameters and 37B active per token (its model card;
+    the multi-token-prediction module, which RL does not train, left out); three dense layers; vLLM's
+    MLA cache holds kv_lora_rank + qk_rope_head_dim = 576 values per token and layer on every TP rank
+    (61 * 576 * 2 bytes in bf16), not keys and values of 128 heads."""
+    from megarl.plan.archs import load_arch
+    from megarl.plan.memory import moe_layers, vllm_kv_bytes_per_token
+    from megarl.plan.steptime import active_params
+
+    arch = load_arch("deepseek-v3")
+    assert round(arch.num_parameters() / 1e9) == 671
+    assert round(active_params(arch) / 1e9) in (37, 38)  # 37.55B: the card rounds down
+    assert moe_layers(arch) == 58
+    for tp in (1, 8, 32):
+        assert vllm_kv_bytes_per_token(arch, tp, "bfloat16") == 61 * 576 * 2

@@ -26,7 +26,7 @@ ARCH_INTS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_
              "max_position_embeddings")
 ARCH_OPTIONAL_INTS = ("sliding_window", "num_experts", "moe_topk")
 ARCH_BOOLS = ("tie_embeddings", "qkv_bias")
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # yarn: DeepSeek-V3 (megatron-core MLA builds it)
 
 
 def _is_int(value: Any) -> bool:

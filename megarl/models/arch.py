@@ -29,7 +29,7 @@ class ArchError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: str = "default"  # "default" | "llama3" | "linear"
+    kind: str = "default"  # "default" | "llama3" | "linear" | "yarn" (DeepSeek-V3: its family reads it)
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

@@ -161,12 +161,22 @@ def layer_tensors(arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> 
     return family_of(arch).layer_params(arch, tp, ep, etp)
 
 
+def moe_layers(arch: ModelArch) -> int:
+    """How many layers hold routed experts (all of a MoE model's, but DeepSeek-V3's first dense ones)."""
+    family = family_of(arch)
+    return sum(1 for i in range(arch.num_layers) if family.layer_params_at(arch, i, 1, 1)[1])
+
+
 def stage_tensors(arch: ModelArch, layout: Layout, stage: int, value_head: bool = False,
                   pad_multiple: int = 128) -> tuple[list[int], list[int]]:
     """Parameter element counts of one rank of ``stage``: (dense, expert)."""
-    layers = stage_layer_counts(arch.num_layers, layout)[stage]
-    one_dense, one_expert = layer_tensors(arch, layout.tp, layout.ep, layout.expert_tp)
-    dense, expert = one_dense * layers, one_expert * layers
+    counts = stage_layer_counts(arch.num_layers, layout)
+    first = sum(counts[:stage])
+    dense, expert = [], []
+    for layer in range(first, first + counts[stage]):  # layers may differ (DeepSeek-V3's first dense ones)
+        one_dense, one_expert = family_of(arch).layer_params_at(arch, layer, layout.tp, layout.ep, layout.expert_tp)
+        dense += one_dense
+        expert += one_expert
     vocab_shard = padded_vocab(arch, layout.tp, pad_multiple) // layout.tp * arch.hidden_size
     if stage == 0:
         dense.append(vocab_shard)
@@ -429,7 +439,12 @@ def vllm_weight_bytes(arch: ModelArch, roll: RolloutShape, params: float) -> flo
 
 
 def vllm_kv_bytes_per_token(arch: ModelArch, tp: int, dtype: str) -> float:
-    """KV cache bytes per token on one GPU of a TP group (KV heads are replicated below tp)."""
+    """KV cache bytes per token on one GPU of a TP group (KV heads are replicated below tp).
+    Multi-latent attention caches one latent per token and layer (kv_lora_rank + the rope key),
+    not keys and values per head, and every TP rank holds all of it."""
+    mla = arch.extra.get("mla")
+    if mla:
+        return arch.num_layers * (mla["kv_lora_rank"] + mla["qk_rope_head_dim"]) * DTYPE_BYTES[dtype]
     kv_heads = max(arch.num_kv_heads // tp, 1)
     return 2 * arch.num_layers * kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
 

@@ -31,6 +31,7 @@ from megarl.plan.memory import (
     Layout,
     RolloutShape,
     layer_tensors,
+    moe_layers,
     outside_layer_params,
     vllm_kv_bytes_per_token,
     vllm_weight_bytes,
@@ -88,7 +89,7 @@ def active_params(arch: ModelArch) -> float:
     if not arch.is_moe:
         return arch.num_parameters()
     _, experts = layer_tensors(arch, 1, 1)  # every expert of one layer, whole
-    per_expert = sum(experts) // arch.num_experts * arch.num_layers
+    per_expert = sum(experts) // arch.num_experts * moe_layers(arch)
     return arch.num_parameters() - per_expert * (arch.num_experts - (arch.moe_topk or 1))
 
 
@@ -303,7 +304,7 @@ def expert_params(arch: ModelArch) -> float:
     if not arch.is_moe:
         return 0.0
     _, experts = layer_tensors(arch, 1, 1)
-    return float(sum(experts) * arch.num_layers)
+    return float(sum(experts) * moe_layers(arch))
 
 
 def routed_flops_per_token(arch: ModelArch) -> float:

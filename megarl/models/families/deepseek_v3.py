@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.models.arch import ArchError, BlockOptions, ModelArch, positive_count, rope_from_config
+from megarl.models.arch import ArchError, BlockOptions, ModelArch, RopeConfig, positive_count, rope_from_config
 from megarl.models.families.base import DecoderFamily
 from megarl.models.families.moe import ExpertNames, RoutedExperts
 from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, swiglu_fc1, swiglu_fc2, whole
@@ -60,6 +60,37 @@ def is_moe_layer(arch: ModelArch, layer: int) -> bool:
     return layer >= int(arch.extra["first_k_dense"])
 
 
+def _rope(cfg: dict[str, Any], source: str) -> tuple[RopeConfig, dict[str, float] | None]:
+    """(the rope, YaRN's parameters or None). DeepSeek-V3 extends its context with YaRN (factor 40
+    over 4096 positions, mscale and mscale_all_dim 1), which megatron-core's MLA has built in."""
+    field_name = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = cfg.get(field_name) or {}
+    if (params.get("rope_type") or params.get("type")) != "yarn":
+        return rope_from_config(cfg, source), None
+    try:
+        yarn = {"factor": float(params["factor"]),
+                "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+                "beta_fast": float(params.get("beta_fast", 32)), "beta_slow": float(params.get("beta_slow", 1)),
+                "mscale": float(params.get("mscale", 1)), "mscale_all_dim": float(params.get("mscale_all_dim", 0))}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArchError(f"{source}: {field_name} of rope type yarn needs a numeric factor and "
+                        f"original_max_position_embeddings ({e})") from None
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return RopeConfig(theta=theta, kind="yarn", factor=yarn["factor"],
+                      original_max_position_embeddings=yarn["original_max_position_embeddings"]), yarn
+
+
+def _rope_kwargs(arch: ModelArch) -> dict[str, Any]:
+    """megatron-core's MLA rotary fields: plain rope, or YaRN with its scaling and attention factors."""
+    yarn = arch.extra.get("yarn")
+    if not yarn:
+        return {"rope_type": "rope"}
+    return {"rope_type": "yarn", "rotary_scaling_factor": yarn["factor"],
+            "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+            "beta_fast": yarn["beta_fast"], "beta_slow": yarn["beta_slow"], "mscale": yarn["mscale"],
+            "mscale_all_dim": yarn["mscale_all_dim"]}
+
+
 class DeepseekV3Family(RoutedExperts, DecoderFamily):
     names = ExpertNames(router="mlp.gate.weight", expert="mlp.experts.{e}.", gate="gate_proj.weight",
                         up="up_proj.weight", down="down_proj.weight")
@@ -81,10 +112,7 @@ class DeepseekV3Family(RoutedExperts, DecoderFamily):
         if float(cfg.get("rms_norm_eps", 1e-6)) != _LATENT_NORM_EPS:
             raise ArchError(f"{source}: rms_norm_eps={cfg['rms_norm_eps']!r} is not supported: transformers "
                             f"builds the latent norms with eps {_LATENT_NORM_EPS} whatever it says")
-        rope = rope_from_config(cfg, source)
-        if rope.kind != "default":
-            raise ArchError(f"{source}: rope type {rope.kind!r} is not supported for deepseek_v3 yet; "
-                            "supported: default")
+        rope, yarn = _rope(cfg, source)
         heads = positive_count(cfg, "num_attention_heads", source)
         q_lora = cfg.get("q_lora_rank")
         widths = {"q_lora_rank": positive_count(cfg, "q_lora_rank", source) if q_lora is not None else None,
@@ -120,7 +148,7 @@ class DeepseekV3Family(RoutedExperts, DecoderFamily):
         return {"qkv_bias": False, "sliding_window": None, "rope": rope, "num_experts": experts, "moe_topk": topk,
                 "ffn_hidden_size": moe_width, "num_kv_heads": heads,
                 "head_dim": widths["qk_nope_head_dim"] + widths["qk_rope_head_dim"],
-                "extra": {"mla": widths, "first_k_dense": first_dense,
+                "extra": {"mla": widths, "first_k_dense": first_dense, "yarn": yarn,
                           "dense_ffn_hidden_size": positive_count(cfg, "intermediate_size", source),
                           "shared_expert_intermediate_size": shared * moe_width,
                           "n_group": groups, "topk_group": topk_group,
@@ -150,7 +178,7 @@ class DeepseekV3Family(RoutedExperts, DecoderFamily):
         return {**super().transformer_config_kwargs(arch),
                 "multi_latent_attention": True, "q_lora_rank": m["q_lora_rank"], "kv_lora_rank": m["kv_lora_rank"],
                 "qk_head_dim": m["qk_nope_head_dim"], "qk_pos_emb_head_dim": m["qk_rope_head_dim"],
-                "v_head_dim": m["v_head_dim"], "rope_type": "rope", "rotary_base": arch.rope.theta,
+                "v_head_dim": m["v_head_dim"], "rotary_base": arch.rope.theta, **_rope_kwargs(arch),
                 # the core attention's output is n * v_head_dim wide (megatron-core sizes it by kv_channels)
                 "kv_channels": m["v_head_dim"],
                 "ffn_hidden_size": arch.extra["dense_ffn_hidden_size"]}
