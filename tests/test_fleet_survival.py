@@ -5,8 +5,15 @@ step 3 generates. Its calls go to engine 1, a new engine starts on engine 0's pl
 takes the actor's weights at step 3's weight sync (its log-probs checked against the actor's, by
 vLLM's own scoring) and serves again from step 4. Then SIGSTOP of engine 1's core while step 6
 generates (a hang: the process lives, nothing it serves moves): it is replaced the same way and
-serves again from step 7. The run finishes all 8 steps and trains every prompt of the dataset's
-first 8 batches once, in order.
+serves again from step 7. Then kill -9 of engine 0's core again while step 7 generates: no
+restarts are left (rollout.max_engine_restarts=2), so it is dropped and the run goes on with one
+engine (rollout.min_engines=1). The run finishes all 8 steps and trains every prompt of the
+dataset's first 8 batches once, in order.
+
+One 5-step run under the opportunistic schedule with episodes generated ahead and continued
+across syncs: kill -9 of engine 0's core while step 3's episodes are in the middle of their turns.
+The episodes it held start over from their reset on engine 1 (an episode trains whole or not at
+all), and every prompt trains once.
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_every_prompt_trains_once(p
         _wait_for(run_dir, proc, 6, "rollout")
         stopped = _engine_pid(run_dir, 1, "VLLM::EngineCore")
         os.kill(stopped, signal.SIGSTOP)
+        _wait_for(run_dir, proc, 7, "rollout")
+        killed_again = _engine_pid(run_dir, 0, "VLLM::EngineCore")
+        os.kill(killed_again, signal.SIGKILL)
         output, _ = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:
@@ -99,17 +109,58 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_every_prompt_trains_once(p
               f"serving again {took:.1f} s after the watchdog saw the fault")
         h = history[step - 1]
         assert h["sync/max_abs_logprob_diff"] <= 1e-3, h  # verify_sync=first, yet run for the new engine
-        assert "sync/max_abs_logprob_diff" not in history[step]  # and only then
         assert h["fleet/engine_restarts"] == engine + 1 and h["fleet/fault_s"] == pytest.approx(took, abs=0.1)
         assert h["fleet/redispatched"] >= engine + 1, "the fault found no call to send elsewhere: nothing was tested"
-    assert [h["fleet/engines_alive"] for h in history] == [2.0] * 8
+    # verify_sync=first: step 1, and the syncs that changed the fleet
+    assert [h["step"] for h in history if "sync/max_abs_logprob_diff" in h] == [1, 3, 6, 7]
+    dropped = (f"fleet: rollout engine 0: vLLM's process VLLM::EngineCore (pid {killed_again}) died; no restarts "
+               f"left (rollout.max_engine_restarts=2): the run goes on with 1 engine")
+    assert dropped in output.splitlines(), output[-3000:]
+    assert [h["fleet/engines_alive"] for h in history] == [2.0] * 6 + [1.0] * 2
+    assert [h["fleet/engines_dropped"] for h in history] == [0.0] * 6 + [1.0] * 2
+    assert history[-1]["fleet/engine_restarts"] == 2
     # every prompt of the dataset's first 8 batches trained once, in order: none lost, none twice
     cfg = load_config(RunConfig, DEFAULT, overrides)
     dataset = prompt_dataset(cfg.data)
     assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(8)]
-    # the replacements are watched under the failed engines' indexes, with processes of their own
-    assert _engine_pid(run_dir, 0, "VLLM::EngineCore") != killed
-    assert _engine_pid(run_dir, 1, "VLLM::EngineCore") != stopped
+    # the one engine left is engine 1's replacement, watched now as engine 0
+    [left] = json.loads((run_dir / "engines.json").read_text())
+    assert {p["pid"] for p in left["processes"]}.isdisjoint({killed, stopped, killed_again})
+
+
+def test_an_episode_on_a_killed_engine_starts_over_elsewhere_and_trains_whole(policy, reward_url, tmp_path, cli):
+    from megarl.config.loader import load_config
+    from megarl.config.schema import RunConfig
+    from megarl.data.prompts import prompt_dataset
+    from megarl.recipes import DEFAULT
+
+    run_dir = tmp_path / "episodes"
+    # one batch ahead, continued across syncs; two sequences at a time, answers up to 96 tokens: the
+    # kill finds episodes in the middle of their turn
+    overrides = [*_overrides(policy, reward_url, run_dir), "trainer.steps=5", "trainer.schedule=opportunistic",
+                 "trainer.max_staleness=1", "rollout.partial=continue", "env={kind: single_turn}",
+                 "rollout.max_tokens=96", "rollout.max_num_seqs=2"]
+    proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        _wait_for(run_dir, proc, 3, "rollout")
+        os.kill(_engine_pid(run_dir, 0, "VLLM::EngineCore"), signal.SIGKILL)
+        output, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [h["step"] for h in history] == list(range(1, 6))
+    lost = [h.get("rollout/lost_episodes", 0) for h in history]
+    print(f"episodes started over after the kill, per step: {lost}")
+    assert sum(lost) > 0, "the kill cut no episode: nothing was tested"
+    assert history[-1]["fleet/engine_restarts"] == 1
+    assert any("rollout engine 0 holds weight version 3" in line for line in output.splitlines()), output[-3000:]
+    assert all(h["reward/env"] == h["reward/mean"] for h in history)  # the environment scored whole episodes
+    cfg = load_config(RunConfig, DEFAULT, overrides)
+    dataset = prompt_dataset(cfg.data)
+    assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(5)]
 
 
 # ---------------------------------------------------------------- the pieces that need no engine

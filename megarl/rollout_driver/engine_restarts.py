@@ -116,7 +116,7 @@ class EngineRestarts:
         then = (f"its work goes to the other engines and a replacement starts at the next weight sync "
                 f"(restart {fault.nth} of {r.max_engine_restarts})" if decision == "restart" else
                 f"no restarts left (rollout.max_engine_restarts={r.max_engine_restarts}): the run goes on "
-                f"with {live_after} engines")
+                f"with {live_after} engine{'s' if live_after > 1 else ''}")
         print(f"fleet: {reason}; {then}", flush=True)
         return True
 
@@ -138,22 +138,27 @@ class EngineRestarts:
         for fault in faults:
             self._stop(self.engines[fault.index])
         restarts = [f for f in faults if f.decision == "restart"]
+        started = []
         for fault in restarts:
             time.sleep(max(0.0, fault.at + backoff_s(fault.nth) - time.monotonic()))
             self.engines[fault.index] = self.start_engine(fault.index)
-        for fault in reversed([f for f in faults if f.decision == "drop"]):
-            del self.engines[fault.index]  # the evaluator's and colocation's list too: it is theirs
-            self.rollout.drop_engine(fault.index)
+            started.append(self.engines[fault.index])
+            # the service serves with it from its next resume, after this sync
+            self.rollout.replace_engine(fault.index, self.engines[fault.index])
+        drops = [f.index for f in faults if f.decision == "drop"]
+        for index in reversed(drops):  # the service's list and this one lose the same entries
+            del self.engines[index]  # the evaluator's and colocation's list too: it is theirs
+            self.rollout.drop_engine(index)
             self.dropped += 1
-        wait_ready([self.engines[f.index] for f in restarts], timeout_s=self.cfg.trainer.step_timeout_s)
+        for fault in restarts:  # a dropped engine before it moves a replacement down one
+            fault.index -= sum(index < fault.index for index in drops)
+        wait_ready(started, timeout_s=self.cfg.trainer.step_timeout_s)
         fresh = self.new_sync()
         # every engine watched under its index now, the new ones with their processes in engines.json
         self.watchdog.forget_engines()
         for i, engine in enumerate(self.engines):
             self.watchdog.watch_engine(i, engine)
         write_text_atomic(self.run_dir / "engines.json", json.dumps(engine_table(self.engines, timeout_s), indent=2))
-        for fault in restarts:
-            self.rollout.replace_engine(fault.index, self.engines[fault.index])
         self.replaced = restarts
         return fresh
 

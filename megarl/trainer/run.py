@@ -234,6 +234,8 @@ class Run:
         if isinstance(error, Aborted):
             return str(error)
         found = RUN_ABORT.reason
+        if found is None and self.fleet is not None and self.fleet.failed:  # taken on, yet the step could not go on
+            found = next(iter(self.fleet.failed.values())).reason
         if found is None and self.watchdog is not None:
             with contextlib.suppress(Exception):
                 found = self.watchdog.check(answer_timeout_s=5.0)
@@ -252,9 +254,11 @@ class Run:
         report = self.sync.sync()
         wait_all([e.set_weight_version.remote(self.step) for e in self.engines], self.cfg.trainer.collective_timeout_s,
                  "recording the engines' weight version")
+        # a replacement is checked before the service hands it work (fault survival is disaggregated only)
+        checked = self.verify_sync(batch, every=True) if replaced and batch is not None else None
         self.rollout.resume(self.step)
         self.colocation.after_sync()
-        verified = self.verify_sync(batch, every=replaced) if batch is not None else {}
+        verified = checked if checked is not None else self.verify_sync(batch) if batch is not None else {}
         self.colocation.actor_off()
         if self.fleet is not None:
             verified |= self.fleet.served_again(self.step)
