@@ -8,8 +8,9 @@ by the usual weight sync. The restore point is:
 
 - ``snapshot: none``: the run's last checkpoint (``trainer.save_every``), or the run's start;
 - ``snapshot: memory``: a copy of each trained role's ranks (weights, optimizer, RNG,
-  ``megarl.workers.snapshot_fns``) taken after every step and kept in Ray's object store,
-  owned by the driver, so at most the step in progress is lost.
+  ``megarl.workers.snapshot_fns``) taken after every step and kept in Ray's object store on the
+  driver's node, owned by the driver, so at most the step in progress is lost. (Each copy passes
+  through the driver; at scale it should stay on its rank's node, owned by the driver.)
 
 Either way the trainer's own state (step, prompt stream position, the rollout queue with the
 batches it holds, the KL coefficient) comes back with it, as a checkpoint holds them, so under
