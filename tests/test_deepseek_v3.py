@@ -138,20 +138,18 @@ def _check_logits_and_round_trip(hf, par, pools, tmp_path):
 def test_training_step_matches_transformers_and_is_layout_independent(deepseek, pools):
     """Step 0 (before any update): transformers' loss and gradient norm (MLA's projections and latent
     norms, the dense first layer, routed and shared experts, the sigmoid router's weight); the three
-    steps' losses and norms agree across layouts (tp1 is dp2, and ep2).
-
-    Not at tp > 1: megatron-core 0.16.1's local-spec MLA splits ``linear_kv_down_proj`` over tp and
-    gathers its output, and the gather's backward keeps each rank's own columns only; the rope key
-    (those columns, shared by every head) then gets the gradient of one rank's heads, not all of
-    them. Measured on this model with every layer dense: the step-0 gradient norm is 4.1300 at tp2
-    (4.1295 with sequence parallelism) against transformers' 4.1459, the loss equal."""
+    steps' losses and norms agree across layouts (tp1 is dp2; MoE under tp trains with sequence
+    parallelism). At tp2 the rope key's gradient is whole only through ``megarl.models.mla_local``'s
+    ``SharedRopeKeyMLA`` (megatron-core's own gather dropped the other rank's heads' share: 4.1300
+    against 4.1459 on this model with every layer dense)."""
     import rank_jobs
     from test_train_step import _hf_loss_and_grad_norm
 
     tokens = random_tokens(batch=4, seq=33, seed=3)
     hf_loss, hf_norm = _hf_loss_and_grad_norm(deepseek, tokens)
     base = None
-    for par in (ParallelConfig(world_size=2), ParallelConfig(ep=2, world_size=2)):
+    for par in (ParallelConfig(world_size=2), ParallelConfig(tp=2, sequence_parallel=True, world_size=2),
+                ParallelConfig(ep=2, world_size=2)):
         results = pools.get(2).run(rank_jobs.lm_train_losses, hf_dir=str(deepseek), parallel=par, tokens=tokens,
                                    steps=3)
         run = next(r for r in results if r is not None)

@@ -174,15 +174,18 @@ def _layer_spec(spec: ModelSpec, dense: bool = False):
     family = family_of(spec.arch)
     options = family.block_options(spec.arch)
     kwargs = family.layer_spec_kwargs(spec.arch)
-    if kwargs.get("multi_latent_attention"):
-        from megarl.models.mla_local import allow_local_mla
-
-        allow_local_mla()
+    te = current_platform().layer_spec_kind == "te"
     if dense:
         kwargs = {**kwargs, "num_experts": None}
-    return block.layer_spec(
+    layer = block.layer_spec(
         options, gpt_layer_spec(**kwargs, qk_layernorm=options.qk_norm, context_parallel=spec.parallel.cp > 1),
-        te=current_platform().layer_spec_kind == "te", moe=spec.arch.is_moe and not dense)
+        te=te, moe=spec.arch.is_moe and not dense)
+    if kwargs.get("multi_latent_attention") and not te:
+        from megarl.models import mla_local
+
+        mla_local.allow_local_mla()
+        layer.submodules.self_attention.module = mla_local.SharedRopeKeyMLA
+    return layer
 
 
 def _decoder_spec(spec: ModelSpec, config, vp_stage: int | None):
