@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed syncs (median reported)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-baseline", action="store_true", help="skip the full-tensor baseline")
+    p.add_argument("--delta-lr", type=float, default=None,
+                   help="after the timed syncs, one real optimizer step at this lr: the fraction of bf16 elements "
+                        "it changed and what a changed-elements-only sync would send against the whole shard")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_refit_cmd)
     from megarl_bench.memory import add_parser as add_memory_parser  # planner memory model vs mcore
@@ -62,7 +65,7 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
     refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, train_ep=args.train_ep,
                       train_etp=args.train_etp, rollout_tp=args.rollout_tp,
                       bucket_mib=args.bucket_mb, repeats=args.repeats, dtype=args.dtype,
-                      baseline=not args.no_baseline)
+                      baseline=not args.no_baseline, delta_lr=getattr(args, "delta_lr", None))
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     result = run_refit(refit, progress=progress)
     print(dumps(result) if args.json else format_table(result), flush=True)
@@ -79,7 +82,7 @@ _AT_LEAST = {"train_tp": 1, "train_pp": 1, "train_ep": 1, "train_etp": 1, "rollo
              "vocab": 1, "seq_len": 1,
              "micro_batch": 1, "global_batch": 1, "vocab_pad_multiple": 1, "ranks": 1, "tp": 1, "warmup": 0,
              "staleness": 0, "prompts": 1, "seeds": 0}
-_POSITIVE = ("bucket_mb", "tolerance")
+_POSITIVE = ("bucket_mb", "tolerance", "delta_lr")
 
 
 def count_errors(args: argparse.Namespace) -> list[str]:

@@ -42,6 +42,7 @@ class RefitArgs:
     repeats: int = 3
     dtype: str = "float32"
     baseline: bool = True
+    delta_lr: float | None = None  # one real optimizer step at this lr, then its bf16 change is measured
 
 
 def _human(n: float) -> str:
@@ -67,6 +68,8 @@ def check_args(args: RefitArgs):
         errors.append(f"--rollout-tp={args.rollout_tp} does not divide vLLM's padded vocabulary")
     if args.repeats < 1 or args.bucket_mib <= 0:
         errors.append("--repeats must be >= 1 and --bucket-mb > 0")
+    if args.delta_lr is not None and not args.delta_lr > 0:
+        errors.append(f"--delta-lr must be > 0, got {args.delta_lr}")
     if errors:
         raise ConfigError("invalid benchmark:\n  " + "\n  ".join(e.replace("--train.", "--train-") for e in errors))
     return arch
@@ -150,11 +153,33 @@ def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
             seconds, received = full_tensor_seconds(sync)
             baseline = {"seconds": seconds, "received": received}
             sync.sync()  # leave the engine on the sync path's weights
+        delta = _delta(args, arch, actor, sync, progress) if args.delta_lr is not None else None
         sync.close()
     finally:
         actor.shutdown()
         ray.kill(engine)
-    return _result(args, arch, plan, reports, raw, baseline)
+    result = _result(args, arch, plan, reports, raw, baseline)
+    if delta is not None:
+        result["delta"] = delta
+    return result
+
+
+def _delta(args: RefitArgs, arch, actor, sync, progress) -> dict[str, Any]:
+    """The bf16 change of each of a few real optimizer steps (``megarl_bench.refit_delta``), then a
+    checked sync of the stepped weights; vLLM's log-probs against the actor's before and after (the
+    gap before is the engine's own numerics at this dtype, the yardstick for the gap after)."""
+    import torch
+
+    from megarl_bench.refit_delta import measure
+
+    tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1000))
+    before = sync.verify(tokens, tolerance=float("inf"))  # reported, not judged
+    progress(f"optimizer steps at lr {args.delta_lr:g}, measuring what each changed in bf16...")
+    steps = measure(actor, "actor", arch.vocab_size, args.delta_lr)
+    report = sync.sync(check=True)
+    after = sync.verify(tokens, tolerance=float("inf"), report=report)
+    return {"steps": steps, "checksum_mismatches": len(report.checksum_mismatches),
+            "logprob_gap_before": before.max_abs_logprob_diff, "logprob_gap_after": after.max_abs_logprob_diff}
 
 
 def _result(args: RefitArgs, arch, plan, reports, raw, baseline) -> dict[str, Any]:
@@ -243,6 +268,15 @@ def format_table(result: dict[str, Any]) -> str:
         b = result["baseline"]
         lines.append(f"full-tensor baseline (gather + send whole + vLLM load_weights): {b['seconds']:.3f} s "
                      f"(time_ratio {b['time_ratio']:.2f}), bytes_ratio {b['bytes_ratio']:.2f}")
+    if "delta" in result:
+        d = result["delta"]
+        for i, s in enumerate(d["steps"]):
+            lines.append(f"optimizer step {i + 1} at lr {s['lr']:g}: {s['changed_fraction']:.1%} of {s['elements']} "
+                         f"elements changed in bf16; a changed-only sync would send "
+                         f"{s['positions_values_bytes_ratio']:.2f}x the bf16 shard as positions + values, "
+                         f"{s['bitmask_values_bytes_ratio']:.2f}x as bitmask + values")
+        lines.append(f"after syncing the steps: {d['checksum_mismatches']} checksum mismatches, vLLM vs actor "
+                     f"log-prob gap {d['logprob_gap_after']:.3g} (before the steps {d['logprob_gap_before']:.3g})")
     overruns = result.get("memory_overruns", memory_overruns(result))
     lines += [f"OVER THE MEMORY LIMIT: {line}" for line in overruns] or ["memory: every rank within its limit"]
     return "\n".join(lines)
