@@ -107,8 +107,8 @@ class Restarts:
     def after_step(self) -> None:
         """The state at the end of ``run.step`` becomes the restore point: its checkpoint, if it
         saved one (``snapshot: none``), or a copy of it (``snapshot: memory``)."""
-        if not self.max_restarts:
-            return
+        if not self.max_restarts or self.run.step >= self.run.cfg.trainer.steps:
+            return  # after the last step nothing is restarted: the final save follows
         if self.mode == "memory":
             self._remember()
             return
@@ -152,8 +152,8 @@ class Restarts:
         """The line naming the Megatron rank whose process died, when that is what failed the
         step, and the engines and the rollout service are well; else None (not the trainer's)."""
         run = self.run
-        found = next((str(e).splitlines()[0] for e in _chain(error) if isinstance(e, WorkerGroupError) and e.died),
-                     None)
+        died = [e for e in _chain(error) if isinstance(e, WorkerGroupError) and e.died]
+        found = str(died[0]).splitlines()[0].rstrip(":") if died else None
         if found is None:  # the watchdog saw it first: a rank of a group that is still up is dead
             ranks = Watchdog(abort=AbortSignal())
             for role in run.roles.values():
