@@ -163,6 +163,29 @@ def test_an_episode_on_a_killed_engine_starts_over_elsewhere_and_trains_whole(po
     assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(5)]
 
 
+def test_a_straggler_is_asked_again_elsewhere_and_the_late_answer_dropped(smollm2_engine):
+    """rollout.request_timeout_s: a call with no answer in time is asked again of another engine,
+    once; the first answer is kept. The one shared engine stands under two indexes here, so the
+    call asked again waits behind the straggler, whose answer comes first: the second is the late
+    one, dropped. The answer kept is vLLM's own for the request (the same seed asked directly)."""
+    import ray
+
+    from megarl.rollout.sampling import SamplingConfig
+    from megarl.rollout_driver.fleet import EngineFleet
+
+    fleet = EngineFleet([smollm2_engine, smollm2_engine], request_timeout_s=0.2)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=64, n=2, seed=5)
+    prompts = [[1, 9038, 2683, 314, 260, 1345]]
+    calls = fleet.submit_shares([prompts, []], lambda engine, part: engine.generate.remote(part, sampling))
+    [[answer]] = fleet.wait(calls, timeout_s=120)  # one call, one prompt
+    assert fleet.counters() == {"redispatched": 1, "stragglers": 1}
+    assert (calls[0].engine, calls[0].straggler.engine) == (1, 0)
+    ray.get(calls[0].ref, timeout=120)  # the late answer came too, and was not used
+    [direct] = ray.get(smollm2_engine.generate.remote(prompts, sampling), timeout=120)
+    assert [s.response_ids for s in answer] == [s.response_ids for s in direct]
+    assert sum(len(s.response_ids) for s in answer) > 10  # long enough to be late at 0.2 s
+
+
 # ---------------------------------------------------------------- the pieces that need no engine
 
 def test_what_a_run_does_with_an_engine_fault():

@@ -5,7 +5,8 @@ Each generation call is a ``Dispatch``: the engine it went to and how to ask ano
 same thing. ``EngineFleet.wait`` waits for a batch's calls like ``wait_all``, except that a call
 whose engine failed (its Ray actor died, or the driver's watchdog reported it: ``mark_failed``) is
 asked again of a live engine, and a call that has not answered for ``rollout.request_timeout_s``
-(a straggler) is asked again elsewhere, its late answer dropped. The same request with the same
+(a straggler) is asked again elsewhere, once: the first of the two answers is kept, the late
+one dropped. The same request with the same
 seed, so the batch is the one the failed engine would have returned, and its prompts are trained
 once: the answers are kept by call position, never added twice.
 
@@ -38,6 +39,8 @@ class Dispatch:
     ref: Any
     ask: Callable[[Any], Any]
     started: float = field(default_factory=time.monotonic)
+    # the straggler this call asks again: whichever of the two answers first is kept, the other dropped
+    straggler: Dispatch | None = None
 
 
 class EngineFleet:
@@ -103,23 +106,32 @@ class EngineFleet:
         deadline = time.monotonic() + timeout_s
         while not all(done):
             RUN_ABORT.check()
-            waiting = {calls[k].ref: k for k in range(len(calls)) if not done[k]}
+            waiting = {}  # ref -> (call position, the Dispatch it belongs to)
+            for k in range(len(calls)):
+                if not done[k]:
+                    waiting[calls[k].ref] = (k, calls[k])
+                    if (late := calls[k].straggler) is not None:
+                        waiting[late.ref] = (k, late)
             ready, _ = ray.wait(list(waiting), num_returns=1, timeout=_POLL_S)
             for ref in ready:
-                k = waiting[ref]
+                k, call = waiting[ref]
                 try:
                     answers[k], done[k] = ray.get(ref), True
+                    continue
                 except ray.exceptions.RayActorError:
-                    self.mark_failed(calls[k].engine)
+                    pass
                 except ray.exceptions.RayTaskError:
-                    if not self._faulty(calls[k].engine):
+                    if not self._faulty(call.engine):
                         raise
-                    self.mark_failed(calls[k].engine)
+                self.mark_failed(call.engine)
+                if call is calls[k].straggler:  # the call that asks it again goes on
+                    calls[k].straggler = None
             now = time.monotonic()
             for k in range(len(calls)):
                 if done[k]:
                     continue
-                straggling = now - calls[k].started > self.request_timeout_s
+                # asked again once: a second timeout on a slow fleet would only pile up calls
+                straggling = calls[k].straggler is None and now - calls[k].started > self.request_timeout_s
                 if calls[k].engine in self.failed or straggling:
                     self._ask_again(calls, k, straggling)
             if not all(done) and now >= deadline:
@@ -168,7 +180,10 @@ class EngineFleet:
             return
         load = {e: sum(c.engine == e for c in calls) for e in others}
         target = min(others, key=lambda e: (load[e], e))
-        calls[k] = self.dispatch(target, calls[k].ask)  # the old ref is forgotten: its late answer dropped
+        again = self.dispatch(target, calls[k].ask)
+        # a straggler's answer is still welcome if it comes first; a failed engine's call is forgotten
+        again.straggler = calls[k] if straggling else None
+        calls[k] = again
         self.redispatched += 1
         self.stragglers += straggling
         why = f"no answer within {self.request_timeout_s:g} s" if straggling else "its engine failed"
