@@ -8,9 +8,9 @@ by the usual weight sync. The restore point is:
 
 - ``snapshot: none``: the run's last checkpoint (``trainer.save_every``), or the run's start;
 - ``snapshot: memory``: a copy of each trained role's ranks (weights, optimizer, RNG,
-  ``megarl.workers.snapshot_fns``) taken after every step and kept in Ray's object store on the
-  driver's node, owned by the driver, so at most the step in progress is lost. (Each copy passes
-  through the driver; at scale it should stay on its rank's node, owned by the driver.)
+  ``megarl.workers.snapshot_fns``) taken after every step and kept in Ray's object store on each
+  rank's node, owned by the driver (``WorkerGroup.run_kept``), so at most the step in progress is
+  lost. A node that is lost takes its ranks' copies with it: that restart fails, naming it.
 
 Either way the trainer's own state (step, prompt stream position, the rollout queue with the
 batches it holds, the KL coefficient) comes back with it, as a checkpoint holds them, so under
@@ -129,15 +129,12 @@ class Restarts:
         """A copy of the trained roles' ranks in Ray's object store (memory mode), and the trainer's
         state beside the checkpoints, written as a checkpoint writes it (the queue's untrained
         batches, a few KiB of tokens, included)."""
-        import ray
-
         run = self.run
         copies = {}
         if self.mode == "memory":
             for name, role in run.trained_roles().items():
-                # put by the driver: the copies outlive the ranks that took them
-                copies[name] = [ray.put(s) for s in role.group.run(snapshot_fns.take, key=name,
-                                                                     timeout_s=role.timeout_s)]
+                # each rank's copy stays on its node, owned by the driver: it outlives the rank
+                copies[name] = role.group.run_kept(snapshot_fns.take, key=name, timeout_s=role.timeout_s)
         run.rollout.drain()  # nothing generating into the queue while it is copied
         state = run.rollout.state_dict() | {"kl_control": run.kl_control.state_dict()}
         with atomic_dir(run.run_dir / TRAINER_STATE, overwrite=True) as folder:

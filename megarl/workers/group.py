@@ -107,6 +107,12 @@ class RankWorker:
         except BaseException:  # SystemExit too: it would end the actor with a worse message
             return False, traceback.format_exc()
 
+    def call_kept(self, fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[tuple[bool, Any], Any]:
+        """``call`` as two results (Ray's ``num_returns=2``): (ok, traceback or None) for the driver
+        to read, and the result, which stays in this node's object store (``WorkerGroup.run_kept``)."""
+        ok, value = self.call(fn, kwargs)
+        return (ok, None if ok else value), (value if ok else None)
+
 
 def _where() -> RankAddress:
     import ray
@@ -305,6 +311,21 @@ class WorkerGroup:
                **kwargs: Any) -> list[Any]:
         """Calls ``fn(**kwargs)`` on ``ranks`` only; results in the order of ``ranks``."""
         return self.submit_on(ranks, fn, **kwargs).result(timeout_s)
+
+    def run_kept(self, fn: Callable[..., Any], /, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Calls ``fn(**kwargs)`` on every rank and leaves each result where the rank put it, in its
+        node's object store, owned by the driver (so it outlives the rank's process): the results'
+        ObjectRefs in rank order. Passed to a later call as a keyword argument, a ref arrives as its value."""
+        import ray
+
+        if self._closed is not None:
+            raise WorkerGroupError(f"WorkerGroup {self.role!r} is closed ({self._closed}); start a new one",
+                                   self.role, list(range(self.world_size)), _describe(fn))
+        args = ray.put(dict(kwargs))
+        pairs = {rank: actor.call_kept.options(num_returns=2).remote(fn, args)
+                 for rank, actor in enumerate(self._actors)}
+        self._collect({rank: pair[0] for rank, pair in pairs.items()}, _describe(fn), timeout_s)
+        return [pairs[rank][1] for rank in range(self.world_size)]
 
     def submit(self, fn: Callable[..., Any], /, **kwargs: Any) -> PendingCall:
         """Starts ``fn(**kwargs)`` on every rank and returns at once.
