@@ -208,3 +208,63 @@ def test_vllm_layout_covers_each_checkpoint_tensor_once_per_shard(tp, tmp_path):
                                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "experts."))
         once = int(torch.tensor(shape).prod())
         assert covered[name] == (once if split else once * tp), name
+
+
+def _replayed_logits(hf_dir: str, routes: torch.Tensor, tokens: torch.Tensor) -> dict:
+    """Rank job: the tiny DeepSeek-V3 with routing replay (R3), its forward routed by ``routes``."""
+    from megarl.config.schema import MoeConfig, PrecisionConfig
+    from megarl.convert.hf_io import HFReader
+    from megarl.convert.weights import load_hf_weights
+    from megarl.distributed.parallel import megatron_parallel
+    from megarl.models import routing_replay
+    from megarl.models.forward import forward_outputs
+    from megarl.models.gpt import ModelSpec, build_model_chunks
+    from megarl.models.hf_arch import arch_from_hf_dir
+
+    par = ParallelConfig(world_size=2)
+    with megatron_parallel(par) as info:
+        spec = ModelSpec(arch_from_hf_dir(hf_dir), par, PrecisionConfig("float32"),
+                         moe=MoeConfig(routing_replay=True))
+        chunks = build_model_chunks(spec)
+        load_hf_weights(chunks, HFReader(hf_dir), spec, info)
+        valid = torch.ones(tokens.shape, dtype=torch.bool)
+        with torch.no_grad(), routing_replay.replayed(chunks[0], routes, valid, tuple(tokens.shape)):
+            (logits,) = forward_outputs(chunks, [tokens])
+        compared, differing = routing_replay.take_counts(chunks)
+    return {"logits": logits, "compared": compared, "differing": differing}
+
+
+def test_routing_replay_routes_by_the_given_experts(deepseek, pools):
+    """R3 for the sigmoid, bias-balanced, group-limited router: replaying transformers' own top-k
+    (hooked from its routers) gives transformers' logits with no routing counted as different;
+    replaying those experts shifted by one gives other logits, and at least every token of the first
+    MoE layer counts as different (the dense first layer has no router: its slot of the routes is
+    unused)."""
+    import transformers
+
+    tokens = random_tokens(batch=2, seq=16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.float32).eval()
+    layers = len(model.model.layers)
+    routes = torch.zeros(*tokens.shape, layers, model.config.num_experts_per_tok, dtype=torch.long)
+
+    def keep(i):
+        def hook(module, args, out):
+            routes[:, :, i] = out[2].reshape(*tokens.shape, -1)  # (logits, weights, indices), batch-major
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.register_forward_hook(keep(i))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    moe_layers = layers - model.config.first_k_dense_replace
+    own = next(r for r in pools.get(2).run(_replayed_logits, hf_dir=str(deepseek), routes=routes, tokens=tokens)
+               if r["logits"] is not None)
+    assert (own["logits"][..., :expected.shape[-1]] - expected).abs().max().item() <= TOL
+    assert (own["compared"], own["differing"]) == (tokens.numel() * moe_layers, 0)
+    shifted = (routes + 1) % model.config.n_routed_experts
+    other = next(r for r in pools.get(2).run(_replayed_logits, hf_dir=str(deepseek), routes=shifted, tokens=tokens)
+                 if r["logits"] is not None)
+    assert (other["logits"] - own["logits"]).abs().max().item() > 1e-2
+    # the first MoE layer sees transformers' hidden states: there every token's own top-k differs
+    assert other["compared"] == tokens.numel() * moe_layers and other["differing"] >= tokens.numel()
