@@ -334,9 +334,10 @@ class WeightSyncExtension:
         largest_param_bytes = max((math.prod(s) * params[blocks[n][0]].element_size() for n, s in shapes.items()),
                                   default=0)
         largest_bucket = max((sum(m["nbytes"] for m in b["recv"]) for b in fragment["buckets"]), default=0)
-        # a quarter of the limit the bench holds each rank to (bucket + largest shard): growth up
-        # to it is reused by the next buckets' allocations rather than faulted in again
-        trim = _TrimAbove(rss_at_start, (largest_bucket + largest_param_bytes) // 4)
+        # an eighth of the limit the bench holds each rank to (bucket + largest shard): growth up
+        # to it is reused by the next buckets' allocations rather than faulted in again; above it
+        # a bucket of received weights and one module's packed copy still fit under half the limit
+        trim = _TrimAbove(rss_at_start, (largest_bucket + largest_param_bytes) // 8)
         started = time.perf_counter()
 
         def prepare(names: list[str]) -> None:
@@ -400,6 +401,7 @@ class WeightSyncExtension:
             "rank": self._megarl_group.rank, "bytes_received": stats.bytes_received, "messages": stats.messages,
             "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,
             "transfer_seconds": stats.seconds - stats.finalize_seconds, "finalize_seconds": stats.finalize_seconds,
+            "wait_seconds": stats.wait_seconds,  # blocked on the bytes: the rest is this rank's own work
             "checksums": checksums, "peak_rss_above_start": peak_rss() - rss_at_start,
             "largest_param_bytes": largest_param_bytes, "trims": trim.trims,
         })
