@@ -21,8 +21,9 @@ from megarl.rollout.backends import BACKENDS, Backend, backend_errors
 from megarl.rollout.engine import CAPABILITIES, CAPABILITY_PROTOCOLS, RolloutEngine, core_methods, protocol_methods
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
-# `.call.remote`: the Megatron rank actors' one entry point (megarl.workers.group), not an engine's
-RANK_ACTOR_METHODS = {"call"}
+# `.call.remote` / `.call_kept.remote`: the Megatron rank actors' entry points (megarl.workers.group;
+# call_kept leaves the result in the rank's node store, for the memory snapshots), not an engine's
+RANK_ACTOR_METHODS = {"call", "call_kept"}
 
 
 def _declared() -> dict[str, str]:
