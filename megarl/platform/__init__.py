@@ -110,9 +110,10 @@ class Platform:
 
     @property
     def finalizes_in_background(self) -> bool:
-        """The weight sync's receiver may finalise received parameters on a second thread. CPU
-        only: on GPU a new thread runs on another CUDA stream than the one the receive was ordered
-        on (vLLM's workers run on their own), and finalising there is almost free anyway."""
+        """The weight sync's receiver may finalise a bucket's parameters while the next bucket's
+        bytes move: on the receiving thread, right after the next bucket's sends and receives are
+        posted (gloo moves them on its own threads; megarl.reshard.transport). CPU only: on GPU the
+        finalising must stay ordered after the receive on its stream, and is almost free anyway."""
         return not self.is_gpu
 
     def compute_capability(self) -> tuple[int, int] | None:
