@@ -232,8 +232,9 @@ def test_smollm2_sync(tp, groups, engines, smollm2):
 def test_bench_refit_reports_exact_bytes_and_the_baseline(ray_session, rollout_model):
     from megarl_bench.refit import RefitArgs, format_table, run_refit
 
-    result = run_refit(RefitArgs(model=str(rollout_model), train_tp=2, rollout_tp=2, bucket_mib=0.25, repeats=1),
-                       progress=lambda *a: None)
+    # --delta-lr too: three real optimizer steps, what each changed in bf16, then a checked sync
+    result = run_refit(RefitArgs(model=str(rollout_model), train_tp=2, rollout_tp=2, bucket_mib=0.25, repeats=1,
+                                 delta_lr=1e-3), progress=lambda *a: None)
     assert result["bytes_ratio"] == 1.0
     assert all(r["received_bytes"] == r["shard_bytes"] for r in result["ranks"])
     # the full-tensor baseline sends each worker the whole model: about tp_r times its shard
@@ -241,8 +242,14 @@ def test_bench_refit_reports_exact_bytes_and_the_baseline(ray_session, rollout_m
     assert 1.9 < result["baseline"]["bytes_ratio"] < 2.1
     for key in ("time_ratio", "sync_seconds", "raw_seconds"):
         assert result[key] > 0
+    delta = result["delta"]
+    assert len(delta["steps"]) == 3 and delta["checksum_mismatches"] == 0
+    for step in delta["steps"]:  # at lr 1e-3 each step moves bf16 values
+        assert 0 < step["changed_fraction"] <= 1 and step["elements"] > 0
+        assert step["positions_values_bytes_ratio"] == pytest.approx(3 * step["changed_fraction"])
+    assert delta["logprob_gap_after"] < 1e-3  # fp32 engine: the stepped weights arrived exactly
     table = format_table(result)
-    assert "time_ratio" in table and "bytes_ratio 1.00" in table
+    assert "time_ratio" in table and "bytes_ratio 1.00" in table and "changed in bf16" in table
 
 
 def test_bench_refit_refuses_a_bad_layout_before_starting(rollout_model, cli):
