@@ -28,3 +28,18 @@ def test_endpoint_against_in_process_episodes(cli, tmp_path, smollm2):
     assert ratio["target"] == 0.8
     assert ratio["measured"] == pytest.approx(report["endpoint"]["tokens_per_s"] / report["in_process"]["tokens_per_s"])
     assert (proc.returncode == 0) == (ratio["measured/target"] >= 1.0)
+
+
+def test_the_two_arms_report_medians_and_the_first_arms_tokens_per_second_over_the_seconds():
+    from megarl_bench.endpoint import format_table, report
+
+    rounds = {"endpoint": [{"tokens_per_s": 40.0, "episodes_per_s": 1.0, "seconds": 10.0},
+                           {"tokens_per_s": 44.0, "episodes_per_s": 1.2, "seconds": 9.0},
+                           {"tokens_per_s": 50.0, "episodes_per_s": 1.4, "seconds": 8.0}],
+              "in_process": [{"tokens_per_s": 50.0, "episodes_per_s": 1.5, "seconds": 8.0},
+                             {"tokens_per_s": 55.0, "episodes_per_s": 1.6, "seconds": 7.0},
+                             {"tokens_per_s": 60.0, "episodes_per_s": 1.7, "seconds": 6.0}]}
+    result = report(rounds)
+    assert result["endpoint"] == {"tokens_per_s": 44.0, "episodes_per_s": 1.2, "seconds": 9.0}  # medians
+    assert result["ratio"] == pytest.approx({"measured": 0.8, "target": 0.8, "measured/target": 1.0})
+    assert "endpoint / in_process tokens/s: 0.80x (target >= 0.80x, measured/target 1.00)" in format_table(result)
