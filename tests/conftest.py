@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import multiprocessing.process
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -466,3 +468,18 @@ def assert_env_kind_refused_in_one_line(kind: str, options: dict, match: str) ->
     assert "\n" not in str(refused.value)
     errors = env_setting_errors(RunConfig(env=EnvConfig(kind=kind, options=options)))
     assert len(errors) == 1 and errors[0].startswith("env.kind: ") and "\n" not in errors[0]
+
+
+def wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str, timeout_s: float = 400) -> None:
+    """Waits until the run in ``run_dir`` (``proc``, its output piped) reports ``step`` and ``phase`` in
+    its progress.json: the moment a test injects its fault. Fails if the run ends first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if json.loads((run_dir / "progress.json").read_text()) == {"step": step, "phase": phase}:
+                return
+        except (OSError, ValueError):  # not written yet
+            pass
+        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"step {step}, phase {phase!r} not reached within {timeout_s} s"
+        time.sleep(0.01)

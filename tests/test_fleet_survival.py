@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_policy
+from conftest import build_tiny_policy, wait_for_phase
 from length_reward import serve as serve_length_reward
 
 
@@ -53,19 +53,6 @@ def _overrides(policy: Path, reward_url: str, out: Path) -> list[str]:
             "rewards=[{kind: remote, url: '" + reward_url + "'}]"]
 
 
-def _wait_for(run_dir: Path, proc: subprocess.Popen, step: int, phase: str, timeout_s: float = 400) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if json.loads((run_dir / "progress.json").read_text()) == {"step": step, "phase": phase}:
-                return
-        except (OSError, ValueError):  # not written yet
-            pass
-        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"step {step}, phase {phase!r} not reached within {timeout_s} s"
-        time.sleep(0.01)
-
-
 def _engine_pid(run_dir: Path, engine: int, title: str) -> int:
     table = json.loads((run_dir / "engines.json").read_text())
     return next(p["pid"] for p in table[engine]["processes"] if p["title"].startswith(title))
@@ -82,13 +69,13 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_every_prompt_trains_once(p
     proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                      env={**os.environ, "RAY_ADDRESS": ""})
     try:
-        _wait_for(run_dir, proc, 3, "rollout")
+        wait_for_phase(run_dir, proc, 3, "rollout")
         killed = _engine_pid(run_dir, 0, "VLLM::EngineCore")
         os.kill(killed, signal.SIGKILL)
-        _wait_for(run_dir, proc, 6, "rollout")
+        wait_for_phase(run_dir, proc, 6, "rollout")
         stopped = _engine_pid(run_dir, 1, "VLLM::EngineCore")
         os.kill(stopped, signal.SIGSTOP)
-        _wait_for(run_dir, proc, 7, "rollout")
+        wait_for_phase(run_dir, proc, 7, "rollout")
         killed_again = _engine_pid(run_dir, 0, "VLLM::EngineCore")
         os.kill(killed_again, signal.SIGKILL)
         output, _ = proc.communicate(timeout=420)
@@ -143,7 +130,7 @@ def test_an_episode_on_a_killed_engine_starts_over_elsewhere_and_trains_whole(po
     proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                      env={**os.environ, "RAY_ADDRESS": ""})
     try:
-        _wait_for(run_dir, proc, 3, "rollout")
+        wait_for_phase(run_dir, proc, 3, "rollout")
         os.kill(_engine_pid(run_dir, 0, "VLLM::EngineCore"), signal.SIGKILL)
         output, _ = proc.communicate(timeout=420)
     finally:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_VOCAB as VOCAB
-from conftest import Cli, build_tiny_policy, with_smollm2_tokenizer
+from conftest import Cli, build_tiny_policy, wait_for_phase, with_smollm2_tokenizer
 from length_reward import serve as serve_length_reward
 
 from megarl.config.loader import load_config
@@ -232,7 +232,7 @@ def test_actor_rank_killed_in_step_3_restarts_in_place_and_repeats_the_run(snaps
     if snapshot == "memory":  # no checkpoint to fall back on: the copy in memory is all there is
         settings.append("trainer.save_every=0")
     with _cli_run(cli, settings) as proc:
-        _wait_for_phase(run_dir, proc, 3, "actor_update")
+        wait_for_phase(run_dir, proc, 3, "actor_update")
         os.kill(json.loads((run_dir / "workers.json").read_text())["actor"][0], signal.SIGKILL)
         killed_at = time.time()
         output, _ = proc.communicate(timeout=240)
@@ -267,7 +267,7 @@ def _killed_in_step_3_then_resumed(cli: Cli, policy: Path, reward_url: str, run_
     marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
     with _cli_run(cli, [*grpo_overrides(policy, reward_url, run_dir, steps=40), *overrides, *killed_only],
                   env=dict([marker.split("=")])) as proc:
-        _wait_for_phase(run_dir, proc, 3, "actor_update")
+        wait_for_phase(run_dir, proc, 3, "actor_update")
         engines = json.loads((run_dir / "engines.json").read_text())
         pid = next(p["pid"] for p in engines[0]["processes"] if p["title"].startswith("VLLM::EngineCore"))
         output, took = _ended_by(proc, lambda: os.kill(pid, signal.SIGKILL))
@@ -533,19 +533,6 @@ def _marked_processes(marker: str) -> list[str]:
     return found
 
 
-def _wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str, timeout_s: float = 400) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if json.loads((run_dir / "progress.json").read_text()) == {"step": step, "phase": phase}:
-                return
-        except (OSError, ValueError):  # not written yet
-            pass
-        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"step {step}, phase {phase!r} not reached within {timeout_s} s"
-        time.sleep(0.01)
-
-
 # (the process to kill: a vLLM process of engine 0, the rollout service or the driver itself; the step
 # and phase to kill it in; the phases the failure may name). The engine's death while rollout runs ahead is
 # test_opportunistic_schedule_fails_fast_and_resumes_every_prompt_once. Resuming after a death
@@ -574,7 +561,7 @@ def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_ur
     if phase == "weight_sync":  # 64 KiB buckets: the sync of the 26 MiB model lasts long enough to hit
         overrides.append("trainer.bucket_mib=0.0625")
     with _cli_run(cli, overrides, env=dict([marker.split("=")])) as proc:
-        _wait_for_phase(run_dir, proc, step, phase)
+        wait_for_phase(run_dir, proc, step, phase)
         if victim == "driver":
             output, took = _ended_by(proc, lambda: proc.send_signal(signal.SIGTERM))
         elif victim == "rollout service":
