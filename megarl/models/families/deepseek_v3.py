@@ -103,11 +103,7 @@ class DeepseekV3Family(RoutedExperts, DecoderFamily):
     # -- HF config ------------------------------------------------------------------------------
 
     def read_hf_config(self, cfg: dict[str, Any], source: str) -> dict[str, Any]:
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ArchError(f"{source}: hidden_act {act!r} is not supported (deepseek_v3: SwiGLU with silu only)")
-        if cfg.get("attention_bias"):
-            raise ArchError(f"{source}: attention_bias=true is not supported")
+        base = super().read_hf_config(cfg, source)  # SwiGLU with silu, no attention bias
         for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if cfg.get(key, want) != want:
                 raise ArchError(f"{source}: {key}={cfg[key]!r} is not supported (deepseek_v3: {want} only)")
@@ -150,7 +146,7 @@ class DeepseekV3Family(RoutedExperts, DecoderFamily):
         if shared < 1:
             raise ArchError(f"{source}: n_shared_experts={cfg.get('n_shared_experts')!r}: a DeepSeek-V3 "
                             "without shared experts is not supported")
-        return {"qkv_bias": False, "sliding_window": None, "rope": rope, "num_experts": experts, "moe_topk": topk,
+        return {**base, "sliding_window": None, "rope": rope, "num_experts": experts, "moe_topk": topk,
                 "ffn_hidden_size": moe_width, "num_kv_heads": heads,
                 "head_dim": widths["qk_nope_head_dim"] + widths["qk_rope_head_dim"],
                 "extra": {"mla": widths, "first_k_dense": first_dense, "yarn": yarn,
