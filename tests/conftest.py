@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -483,3 +484,21 @@ def wait_for_phase(run_dir: Path, proc: subprocess.Popen, step: int, phase: str,
         assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
         assert time.monotonic() < deadline, f"step {step}, phase {phase!r} not reached within {timeout_s} s"
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def cli_train_run(cli: Cli, overrides: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """`megarl train` in its own process (output piped, as text), on a fresh local Ray; killed on the
+    way out if still running: the runs whose processes a test kills."""
+    proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     env={**os.environ, "RAY_ADDRESS": "", **(env or {})})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -22,13 +22,12 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_policy, wait_for_phase
+from conftest import build_tiny_policy, cli_train_run, read_metrics, wait_for_phase
 from length_reward import serve as serve_length_reward
 
 
@@ -66,9 +65,7 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_every_prompt_trains_once(p
 
     run_dir = tmp_path / "fleet"
     overrides = _overrides(policy, reward_url, run_dir)
-    proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                     env={**os.environ, "RAY_ADDRESS": ""})
-    try:
+    with cli_train_run(cli, overrides) as proc:
         wait_for_phase(run_dir, proc, 3, "rollout")
         killed = _engine_pid(run_dir, 0, "VLLM::EngineCore")
         os.kill(killed, signal.SIGKILL)
@@ -79,11 +76,8 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_every_prompt_trains_once(p
         killed_again = _engine_pid(run_dir, 0, "VLLM::EngineCore")
         os.kill(killed_again, signal.SIGKILL)
         output, _ = proc.communicate(timeout=420)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, output[-4000:]
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    history = read_metrics(run_dir)
     assert [h["step"] for h in history] == list(range(1, 9))
     # each replacement took its step's weights, checked against the actor's, and served from the next step
     for engine, step, pid, how in ((0, 3, killed, "died"), (1, 6, stopped, "is stopped (hung)")):
@@ -127,17 +121,12 @@ def test_an_episode_on_a_killed_engine_starts_over_elsewhere_and_trains_whole(po
     overrides = [*_overrides(policy, reward_url, run_dir), "trainer.steps=5", "trainer.schedule=opportunistic",
                  "trainer.max_staleness=1", "rollout.partial=continue", "env={kind: single_turn}",
                  "rollout.max_tokens=96", "rollout.max_num_seqs=2"]
-    proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                     env={**os.environ, "RAY_ADDRESS": ""})
-    try:
+    with cli_train_run(cli, overrides) as proc:
         wait_for_phase(run_dir, proc, 3, "rollout")
         os.kill(_engine_pid(run_dir, 0, "VLLM::EngineCore"), signal.SIGKILL)
         output, _ = proc.communicate(timeout=420)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, output[-4000:]
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    history = read_metrics(run_dir)
     assert [h["step"] for h in history] == list(range(1, 6))
     lost = [h.get("rollout/lost_episodes", 0) for h in history]
     print(f"episodes started over after the kill, per step: {lost}")

@@ -21,7 +21,6 @@ rewards are real), with vLLM's smallest CPU-friendly shape (head_dim 32).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -29,12 +28,12 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_VOCAB as VOCAB
-from conftest import Cli, build_tiny_policy, wait_for_phase, with_smollm2_tokenizer
+from conftest import Cli, build_tiny_policy, cli_train_run, read_metrics, wait_for_phase, with_smollm2_tokenizer
 from length_reward import serve as serve_length_reward
 
 from megarl.config.loader import load_config
@@ -90,18 +89,6 @@ def grpo_overrides(policy: Path, reward_url: str, out: Path, steps: int) -> list
             "seed: 100000, instruction: '{question}', max_prompt_len: 128}]"]
 
 
-@contextlib.contextmanager
-def _cli_run(cli: Cli, overrides: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """`megarl train` in its own process, on a fresh local Ray; killed on the way out if still running."""
-    proc = cli.popen("train", *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                     env={**os.environ, "RAY_ADDRESS": "", **(env or {})})
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 def _ended_by(proc: subprocess.Popen, kill: Callable[[], None]) -> tuple[str, float]:
     """Calls ``kill`` and waits (90 s at most) for the run to end: its output, and the seconds it took."""
     kill()
@@ -124,10 +111,6 @@ def _comparable(history: list[dict], *also_skip: str) -> list[dict]:
     """Metrics that must repeat exactly: everything except wall-clock times (and ``also_skip``)."""
     skip = ("time/", "throughput/", "memory/", "busy/", *also_skip)
     return [{k: v for k, v in h.items() if not k.startswith(skip)} for h in history]
-
-
-def _read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +173,7 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     # The same run in its own process, killed (SIGKILL of the actor's rank) once step 2's
     # checkpoint exists: the run must end on its own within 60 s, naming role, rank and phase.
     run_dir = tmp_path / "killed"
-    with _cli_run(cli, [*grpo_overrides(policy, reward_url, run_dir, steps=40), *ONE_AHEAD]) as proc:
+    with cli_train_run(cli, [*grpo_overrides(policy, reward_url, run_dir, steps=40), *ONE_AHEAD]) as proc:
         deadline = time.monotonic() + 400
         while not (run_dir / "checkpoints" / "latest").is_file():
             assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
@@ -208,7 +191,7 @@ def test_kill_mid_step_fails_fast_and_resume_repeats_the_straight_run(policy, re
     # Resume to step 4 from the checkpoint of step 2: the metrics file reads as one run.
     assert (run_dir / "checkpoints" / "step_000002" / "rollout_buffer.safetensors").is_file()
     resumed = train(_config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *ONE_AHEAD]))
-    assert [h["step"] for h in _read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert [h["step"] for h in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert _comparable(resumed) == _comparable(ahead)
     trained = [p for h in resumed for p in h["data/prompt_ids"]]  # none skipped, none twice
     assert sorted(trained) == sorted(p for h in ahead for p in h["data/prompt_ids"])
@@ -231,7 +214,7 @@ def test_actor_rank_killed_in_step_3_restarts_in_place_and_repeats_the_run(snaps
                 f"trainer.snapshot={snapshot}"]
     if snapshot == "memory":  # no checkpoint to fall back on: the copy in memory is all there is
         settings.append("trainer.save_every=0")
-    with _cli_run(cli, settings) as proc:
+    with cli_train_run(cli, settings) as proc:
         wait_for_phase(run_dir, proc, 3, "actor_update")
         os.kill(json.loads((run_dir / "workers.json").read_text())["actor"][0], signal.SIGKILL)
         killed_at = time.time()
@@ -244,7 +227,7 @@ def test_actor_rank_killed_in_step_3_restarts_in_place_and_repeats_the_run(snaps
     assert restart["from"] == ("the in-memory snapshot" if snapshot == "memory" else "the checkpoint step_000002")
     assert "'actor'" in restart["cause"] and "rank 0" in restart["cause"] and "process died" in restart["cause"]
     assert "trainer fault at step 3" in output
-    metrics = _read_metrics(run_dir)
+    metrics = read_metrics(run_dir)
     assert [h["step"] for h in metrics] == [1, 2, 3, 4]
     assert [h["trainer/restarts"] for h in metrics] == [0, 0, 1, 1]
     assert metrics[2]["trainer/restart_s"] > 0 and metrics[2]["trainer/lost_s"] >= metrics[2]["trainer/restart_s"]
@@ -265,7 +248,7 @@ def _killed_in_step_3_then_resumed(cli: Cli, policy: Path, reward_url: str, run_
     from megarl.trainer.loop import train
 
     marker = f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
-    with _cli_run(cli, [*grpo_overrides(policy, reward_url, run_dir, steps=40), *overrides, *killed_only],
+    with cli_train_run(cli, [*grpo_overrides(policy, reward_url, run_dir, steps=40), *overrides, *killed_only],
                   env=dict([marker.split("=")])) as proc:
         wait_for_phase(run_dir, proc, 3, "actor_update")
         engines = json.loads((run_dir / "engines.json").read_text())
@@ -283,7 +266,7 @@ def _killed_in_step_3_then_resumed(cli: Cli, policy: Path, reward_url: str, run_
 
     cfg = _config([*grpo_overrides(policy, reward_url, run_dir, steps=4), *overrides])
     train(cfg)
-    history = _read_metrics(run_dir)
+    history = read_metrics(run_dir)
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     dataset = prompt_dataset(cfg.data)
     return history, [dataset.next_ids() for _ in range(4)]
@@ -560,7 +543,7 @@ def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_ur
         overrides.append("rollout.max_engine_restarts=0")
     if phase == "weight_sync":  # 64 KiB buckets: the sync of the 26 MiB model lasts long enough to hit
         overrides.append("trainer.bucket_mib=0.0625")
-    with _cli_run(cli, overrides, env=dict([marker.split("=")])) as proc:
+    with cli_train_run(cli, overrides, env=dict([marker.split("=")])) as proc:
         wait_for_phase(run_dir, proc, step, phase)
         if victim == "driver":
             output, took = _ended_by(proc, lambda: proc.send_signal(signal.SIGTERM))
