@@ -169,3 +169,81 @@ def test_an_openenv_environment_scores_what_the_engine_sampled(engine, tokenizer
         reply = tokenizer.decode(t.turns[0], skip_special_tokens=True)
         found = last_number(reply)  # the environment's rule: the reply's last number is the sum
         assert t.reward == float(found is not None and float(found) == float(entry["answer"]))
+
+
+def test_an_outside_openai_client_chats_with_the_engines_own_tokens_and_waits_across_a_sync(engine, smollm2,
+                                                                                            tokenizer):
+    """The endpoint bound for outside callers (rollout.endpoint.port), in front of the shared engine
+    as a run starts it: the stock ``openai`` client opens a session, chats, and gets the ids and
+    log-probs the engine itself samples for that prompt and seed; a bad token is refused 401, an
+    unknown session 404; a request during a weight sync waits and is answered by the new weights."""
+    import socket
+    import threading
+
+    import httpx
+    import openai
+    import ray
+
+    from megarl.config.endpoint import EndpointConfig
+    from megarl.rollout.endpoint.bound import start_outside_endpoint
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = RunConfig()
+    cfg.rollout.endpoint = EndpointConfig(port=port, token="s3cret")
+    cfg.rollout.max_tokens = 12
+    bound = start_outside_endpoint(cfg, [engine], str(smollm2))
+    url = f"http://127.0.0.1:{port}"
+    http = httpx.Client(trust_env=False, timeout=120, headers={"Authorization": "Bearer s3cret"})
+    client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0,
+                           http_client=httpx.Client(trust_env=False, timeout=120))
+    messages = [{"role": "user", "content": "Name a color."}]
+    try:
+        opened = http.post(url + "/v1/sessions")
+        assert opened.status_code == 201, opened.text
+        sid = opened.json()["id"]
+        reply = client.chat.completions.create(model="m", messages=messages, seed=5, logprobs=True,
+                                               extra_headers={"X-Megarl-Session": sid})
+        extra = reply.model_extra["megarl"]
+        prompt = _opening_ids(tokenizer, EpisodeItem("Name a color."))
+        assert extra["prompt_token_ids"] == prompt and extra["weight_version"] == 0
+        own = ray.get(engine.generate.remote([prompt], SamplingConfig(
+            temperature=1.0, max_tokens=12, stop_token_ids=[tokenizer.eos_token_id], seed=5)), timeout=120)[0][0]
+        assert extra["token_ids"] == own.response_ids
+        got = [c.logprob for c in reply.choices[0].logprobs.content]
+        assert max(abs(a - b) for a, b in zip(got, own.logprobs, strict=True)) < 1e-5
+        (turn,) = http.get(f"{url}/v1/sessions/{sid}").json()["turns"]
+        assert turn["token_ids"] == own.response_ids and turn["weight_version"] == 0
+
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert httpx.get(url + "/v1/models", trust_env=False).status_code == 401  # no token at all
+        with pytest.raises(openai.NotFoundError, match="POST /v1/sessions"):
+            client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Megarl-Session": "nope"})
+
+        # a weight sync: paused, the engine takes version 1, resumed; the request made meanwhile waits
+        bound.pause()
+        answered: dict = {}
+        waiting = threading.Thread(target=lambda: answered.update(r=client.chat.completions.create(
+            model="m", messages=messages, seed=5, extra_headers={"X-Megarl-Session": sid})))
+        waiting.start()
+        waiting.join(timeout=1.5)
+        assert waiting.is_alive() and not answered  # held while the weights change
+        ray.get(engine.set_weight_version.remote(1), timeout=60)
+        bound.resume(1, [engine])
+        waiting.join(timeout=120)
+        assert answered["r"].model_extra["megarl"]["weight_version"] == 1
+        # an engine holding other weights than the endpoint was told of: refused, retryable
+        ray.get(engine.set_weight_version.remote(0), timeout=60)
+        with pytest.raises(openai.InternalServerError, match="expects weight version 1"):
+            client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Megarl-Session": sid})
+        ended = http.delete(f"{url}/v1/sessions/{sid}").json()
+        assert [t["weight_version"] for t in ended["turns"]] == [0, 1]
+        with pytest.raises(openai.APIStatusError, match="has ended") as gone:
+            client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Megarl-Session": sid})
+        assert gone.value.status_code == 410
+    finally:
+        ray.get(engine.set_weight_version.remote(0), timeout=60)
+        http.close()
+        bound.stop()

@@ -45,10 +45,24 @@ def test_the_outside_endpoint_needs_a_token_off_loopback():
     assert not is_loopback("10.0.0.1") and not is_loopback("example.org")
     cfg = RunConfig()
     cfg.rollout.endpoint = EndpointConfig(port=8100, host="10.1.2.3")
-    no_token, not_built = env_setting_errors(cfg)
-    assert "rollout.endpoint.token" in no_token and "not built yet" in not_built
-    cfg.rollout.endpoint = EndpointConfig(port=8100)  # the rules pass; binding it is refused, not ignored
-    assert ["not built yet" in e for e in env_setting_errors(cfg)] == [True]
+    (no_token,) = env_setting_errors(cfg)
+    assert "rollout.endpoint.token" in no_token
+
+
+def test_the_outside_endpoint_port_in_use_or_colocated_is_refused_in_one_line():
+    import socket
+
+    with socket.socket() as taken:  # a server already listening there
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = RunConfig()
+        cfg.rollout.endpoint = EndpointConfig(port=port)
+        assert env_setting_errors(cfg) == [f"rollout.endpoint.port={port}: cannot serve on 127.0.0.1:{port} (in use)"]
+    assert env_setting_errors(cfg) == []  # free again: served
+    cfg.rollout.colocate_with = "actor"
+    (colocated,) = env_setting_errors(cfg)
+    assert "needs engines of their own (rollout.colocate_with unset)" in colocated
 
 
 OE = "openenv:megarl.envs.examples.openenv_sums"

@@ -1,6 +1,6 @@
 """``rollout.endpoint``: the rollout endpoint (``megarl.rollout.endpoint``) bound where callers
 outside the run can reach it, for debugging or held-out evaluation. Off by default: agents of
-the run reach it on a free loopback port that nothing else is told of."""
+the run reach their engine's own endpoint on a free loopback port that nothing else is told of."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ LOOPBACK_NAMES = ("localhost",)
 
 @dataclass
 class EndpointConfig:
-    # A fixed port to serve on (engine i on port + i); None: not bound for outside callers.
+    # The port to serve outside callers on, for the whole run (one server in front of every
+    # engine, megarl.rollout.endpoint.bound); None: not bound.
     port: int | None = None
     host: str = "127.0.0.1"  # loopback by default; anything else needs a token
     # Bearer token every request must carry (Authorization: Bearer <token>); a request without it

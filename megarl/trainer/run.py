@@ -24,6 +24,7 @@ from megarl.config.schema import RunConfig
 from megarl.data.prompts import prompt_dataset
 from megarl.platform import current_platform
 from megarl.rewards.combined import RunReward
+from megarl.rollout.endpoint.bound import NoEndpoint, start_outside_endpoint
 from megarl.rollout_driver.batch import RolloutBatch
 from megarl.rollout_driver.engine_restarts import EngineRestarts, engine_table
 from megarl.rollout_driver.service import RolloutClient, start_rollout_service
@@ -68,6 +69,7 @@ class Run:
         self.engines_start_blank = False  # random weights until the first sync (a megarl checkpoint's actor)
         self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
         self.fleet: EngineRestarts | None = None  # replaces failed engines (rollout.max_engine_restarts)
+        self.outside = NoEndpoint()  # the endpoint for callers outside the run (rollout.endpoint.port)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -109,6 +111,8 @@ class Run:
         dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
         self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
         self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
+        # paused until the first sync where the engines start without the policy's weights
+        self.outside = start_outside_endpoint(cfg, self.engines, str(actor_hf), paused=self.engines_start_blank)
         if cfg.rollout.colocate_with is not None:
             # vLLM sizes its KV cache from the device's free memory as it starts: the roles that
             # share its devices load once it has, or its profile counts their weights as its own
@@ -251,9 +255,10 @@ class Run:
         if replaced:  # a failed engine's replacement takes these weights before it serves
             self.sync = self.fleet.replace_failed(self.sync)
         self.colocation.to_sync()
-        report = self.sync.sync()
-        wait_all([e.set_weight_version.remote(self.step) for e in self.engines], self.cfg.trainer.collective_timeout_s,
-                 "recording the engines' weight version")
+        with self.outside.paused(self.step, self.engines):  # no outside turn sees half-synced weights
+            report = self.sync.sync()
+            wait_all([e.set_weight_version.remote(self.step) for e in self.engines],
+                     self.cfg.trainer.collective_timeout_s, "recording the engines' weight version")
         # a replacement is checked before the service hands it work (fault survival is disaggregated only)
         checked = self.verify_sync(batch, every=True) if replaced and batch is not None else None
         self.rollout.resume(self.step)
@@ -311,6 +316,7 @@ class Run:
         import ray
 
         self.rollout.drain()  # nothing may still be generating into the checkpoint's queue
+        self.outside.stop()
         if self.watchdog is not None:
             self.watchdog.forget_engines()  # a stopped group is skipped by the watchdog already
         if self.sync is not None:
@@ -369,6 +375,7 @@ class Run:
 
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.outside.stop()
         if self.sync is not None and graceful:
             with contextlib.suppress(Exception):
                 self.sync.close()

@@ -7,6 +7,8 @@ refused with its field's name, not as a traceback from inside a rollout engine.
 
 from __future__ import annotations
 
+import errno
+
 from megarl.config.schema import RunConfig
 from megarl.envs.base import ROLES
 
@@ -32,13 +34,37 @@ def env_ranges(cfg: RunConfig) -> list[tuple[str, float | None, str]]:
 def _endpoint_errors(cfg: RunConfig) -> list[str]:
     from megarl.config.endpoint import endpoint_errors
 
-    errors = endpoint_errors(cfg.rollout.endpoint)
-    if cfg.rollout.endpoint.port is not None:
-        # refused rather than accepted and ignored: the endpoint is pumped by the engine's own agent
-        # episodes on a private loopback port, and has no sessions for a caller from outside
-        errors.append(f"rollout.endpoint.port={cfg.rollout.endpoint.port}: serving the endpoint to callers outside "
-                      "the run is not built yet (it serves the run's own agents); leave it unset")
+    bound = cfg.rollout.endpoint
+    errors = endpoint_errors(bound)
+    if bound.port is None or errors:
+        return errors
+    if cfg.rollout.colocate_with is not None:
+        # colocated engines sleep while the actor trains: an outside turn would find no weights
+        errors.append(f"rollout.endpoint.port={bound.port}: the endpoint for outside callers needs engines of their "
+                      "own (rollout.colocate_with unset); colocated engines sleep between steps")
+    elif problem := _unbindable(bound.host, bound.port):
+        errors.append(f"rollout.endpoint.port={bound.port}: cannot serve on {bound.host}:{bound.port} ({problem})")
     return errors
+
+
+def _unbindable(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be served on from this machine ('' where it can): the endpoint's
+    actor runs on the driver's node, so a port in use fails here, before any process starts."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"the host does not resolve: {exc}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # as the server binds (aiohttp sets it): a port left in TIME_WAIT passes, a listening one not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return "in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+    return ""
 
 
 def env_setting_errors(cfg: RunConfig) -> list[str]:

@@ -9,5 +9,7 @@ episodes, so an agent written against the ``openai`` client trains unchanged.
 - ``link``: turns between the server's event loop and the engine's thread;
 - ``agents``: ``env.kind: package.module:function`` episodes, each agent with a client bound to
   its session (``megarl.envs.agent``);
-- ``vllm_requests``, ``vllm_agents``: the vLLM side, inside the engine actor.
+- ``vllm_requests``, ``vllm_agents``: the vLLM side, inside the engine actor;
+- ``bound``: the endpoint for callers outside the run (``rollout.endpoint.port``), a Ray actor of
+  its own in front of every engine, paused across weight syncs.
 """

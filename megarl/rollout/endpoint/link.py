@@ -45,7 +45,7 @@ class EngineLink:
 
     # -- the loop's side ----------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], spec: TurnSpec) -> SampledTurn:
+    async def generate(self, prompt_ids: list[int], spec: TurnSpec, session: str = "") -> SampledTurn:
         if not self.driving:
             raise ApiError(503, "the engine is not running episodes now", code="megarl_not_generating",
                            kind="server_error")

@@ -2,10 +2,15 @@
 bound to loopback, running on the endpoint's event loop.
 
 A request names its session (``X-Megarl-Session`` header, or the ``megarl_session`` body
-field); its prompt ids are built (``prompts``), checked against the session (``Session.admit``),
+field). The run's agents get sessions opened for them; with ``outside`` limits (the endpoint
+bound for callers outside the run, ``megarl.rollout.endpoint.bound``) a caller opens its own:
+``POST /v1/sessions`` answers its id, ``GET /v1/sessions/{id}`` its recorded turns (token ids,
+log-probs, weight version, finish reason), ``DELETE /v1/sessions/{id}`` ends it and answers them.
+A request's its prompt ids are built (``prompts``), checked against the session (``Session.admit``),
 generated (``EngineLink.generate``), recorded (``Session.record``) and answered. Any refusal is
 an OpenAI error body with its status: 400 malformed or over a limit, 404 an unknown session,
-410 a session that has ended, 413 a body over ``max_body_bytes``, 503 no engine call running;
+410 a session that has ended, 413 a body over ``max_body_bytes``, 429 too many open sessions,
+503 no engine call running (retryable);
 with a ``token`` (``rollout.endpoint.token``), 401 a request without ``Authorization: Bearer
 <token>``.
 A client that disconnects cancels its handler: its turn is aborted and not recorded.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,18 +35,28 @@ from megarl.rollout.endpoint.protocol import (
     parse_chat,
     parse_completion,
 )
-from megarl.rollout.endpoint.sessions import SampledTurn, Session, SessionBook, TurnSpec
+from megarl.rollout.endpoint.sessions import (
+    SampledTurn,
+    Session,
+    SessionBook,
+    SessionLimits,
+    SessionSampling,
+    TurnSpec,
+)
 
 log = logging.getLogger(__name__)
 
-Generate = Callable[[list[int], TurnSpec], Awaitable[SampledTurn]]
+# (prompt ids, the turn, the session's id: a router keeps a session on one engine)
+Generate = Callable[[list[int], TurnSpec, str], Awaitable[SampledTurn]]
+MAX_OUTSIDE_SESSIONS = 256  # open at once: a caller that never ends its sessions cannot grow the book forever
 
 
 class Endpoint:
     def __init__(self, tokenizer: Any, generate: Generate, model_name: str = "megarl-policy",
-                 tool_parser: str = "hermes", max_body_bytes: int = 32 * 2**20, token: str = ""):
+                 tool_parser: str = "hermes", max_body_bytes: int = 32 * 2**20, token: str = "",
+                 outside: tuple[SessionLimits, SessionSampling] | None = None):
         self.book = SessionBook()
-        self.token = token
+        self.token, self.outside = token, outside
         self.prompts = PromptBuilder(tokenizer, tool_parser)
         self.generate, self.model_name, self.max_body_bytes = generate, model_name, max_body_bytes
         self.url = ""
@@ -55,6 +71,10 @@ class Endpoint:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
+        if self.outside is not None:
+            app.router.add_post("/v1/sessions", self._open_session)
+            app.router.add_get("/v1/sessions/{sid}", self._session_record)
+            app.router.add_delete("/v1/sessions/{sid}", self._session_record)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -79,7 +99,7 @@ class Endpoint:
     async def _turn(self, session: Session, prompt_ids: list[int], params) -> tuple[TurnSpec, SampledTurn, bool]:
         spec = session.admit(prompt_ids, params)
         try:
-            turn = await self.generate(prompt_ids, spec)
+            turn = await self.generate(prompt_ids, spec, session.id)
         except BaseException:
             session.abandon()
             raise
@@ -121,11 +141,40 @@ class Endpoint:
                                                      len(turn.token_ids), logprobs,
                                                      self._extra(session, turn, split, prompt_ids)))
 
+    async def _open_session(self, request):
+        from aiohttp import web
+
+        if len(self.book.open_sessions) >= MAX_OUTSIDE_SESSIONS:
+            raise ApiError(429, f"{MAX_OUTSIDE_SESSIONS} sessions are open: end one (DELETE /v1/sessions/<id>)",
+                           code="megarl_too_many_sessions", kind="rate_limit_error")
+        limits, sampling = self.outside
+        session = self.book.open(f"outside-{uuid.uuid4().hex}", limits, sampling)
+        return web.json_response(_session_body(session), status=201)
+
+    async def _session_record(self, request):
+        from aiohttp import web
+
+        sid = request.match_info["sid"]
+        session = self.book.get(sid)
+        if request.method == "DELETE":
+            self.book.close(sid)
+        return web.json_response(_session_body(session))
+
     async def _models(self, request):
         from aiohttp import web
 
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                                "owned_by": "megarl"}]})
+
+
+def _session_body(session: Session) -> dict[str, Any]:
+    """A session as its caller sees it: its limits and every turn served, token-exact."""
+    lim = session.limits
+    return {"id": session.id, "object": "megarl.session", "ended": session.ended, "splits": session.splits,
+            "limits": {"max_turns": lim.max_turns, "max_episode_tokens": lim.max_episode_tokens,
+                       "max_turn_tokens": lim.max_turn_tokens, "max_model_len": lim.max_model_len},
+            "turns": [{"prompt_token_ids": t.prompt_ids, "token_ids": t.token_ids, "logprobs": t.logprobs,
+                       "weight_version": t.version, "finish_reason": t.finish_reason} for t in session.turns]}
 
 
 def _error(error: ApiError):

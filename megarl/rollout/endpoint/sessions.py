@@ -228,7 +228,8 @@ class SessionBook:
         if sid in self._closed:
             raise ApiError(410, f"session {sid!r} has ended ({self._closed[sid]}): it takes no more requests",
                            code="megarl_session_ended")
-        raise ApiError(404, f"no session {sid!r}: sessions are opened by the episode that owns them",
+        raise ApiError(404, f"no session {sid!r}: the run's episodes open their own; a caller from outside "
+                       "opens one with POST /v1/sessions",
                        code="megarl_unknown_session", kind="not_found_error")
 
     def close(self, sid: str) -> Session | None:

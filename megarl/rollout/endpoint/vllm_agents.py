@@ -8,6 +8,10 @@ crossing Ray: the same continuous batching across episodes as the in-process run
 session's requests always reach the engine that holds its prefix cache. The server starts with
 the first agent call (on a free loopback port) and lives as long as the engine; sessions live as
 long as their episode.
+
+``endpoint_turns`` serves the endpoint bound for callers outside the run (``megarl.rollout.endpoint.bound``):
+a batch of its turns as one engine call, so they run between the run's own calls and never
+during a weight sync (which is an engine call too).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.endpoint.agents import AgentEpisodes, EndpointHost
-from megarl.rollout.endpoint.sessions import SessionLimits, SessionSampling
+from megarl.rollout.endpoint.sessions import SampledTurn, SessionLimits, SessionSampling, TurnSpec
 from megarl.rollout.endpoint.vllm_requests import VLLMRequests
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, Trajectory
 from megarl.rollout.sampling import SamplingConfig
@@ -54,3 +58,34 @@ class AgentHosting:
             SessionSampling(sampling.temperature, sampling.top_p, sampling.top_k, fixed=True),
             limits.max_concurrent, env.agent_timeout_s)
         return episodes.run(requests, backend, self.weight_version, stop)
+
+    def endpoint_turns(self, turns: list[tuple[list[int], TurnSpec]], stop_token_ids: list[int],
+                       version: int) -> list[SampledTurn | str]:
+        """Outside callers' turns (prompt ids, spec), generated together; each answered with its
+        ``SampledTurn`` (of weight version ``version``) or why the engine refused it. Refused
+        whole where the engine holds other weights than the caller expects (a sync it missed)."""
+        if version != self.weight_version:
+            raise ValueError(f"the endpoint expects weight version {version}, this engine holds "
+                             f"{self.weight_version}")
+        def count(tokens: int) -> None:  # the watchdog's sign of progress
+            self._sampled_tokens += tokens
+
+        backend = VLLMRequests(self.llm, self._tokenizer(), stop_token_ids, on_sampled=count)
+        answers: list[SampledTurn | str] = [""] * len(turns)
+        ids = {}
+        for i, (prompt_ids, spec) in enumerate(turns):
+            request_id = f"megarl-outside-{version}-{i}-{id(backend)}"
+            try:
+                backend.add(request_id, prompt_ids, spec)
+                ids[request_id] = i
+            except Exception as exc:  # this request only: the caller hears why
+                answers[i] = f"the engine refused the request: {exc}"
+        try:
+            while backend.has_unfinished():
+                for request_id, turn in backend.step():
+                    turn.version = version
+                    answers[ids[request_id]] = turn
+        except BaseException:
+            backend.abort(None)
+            raise
+        return answers
