@@ -59,8 +59,7 @@ def test_an_agent_run_is_checked_for_what_the_endpoint_cannot_do_yet():
     assert errors(trainer__schedule="opportunistic", rollout__partial="regenerate") == []
     (group,) = errors(rollout__granularity="group")
     assert "rollout.granularity=group" in group
-    (suspend,) = errors(trainer__schedule="opportunistic", rollout__partial="continue")
-    assert "rollout.partial=regenerate" in suspend
+    assert errors(trainer__schedule="opportunistic", rollout__partial="continue") == []  # suspended across syncs
     cfg = RunConfig(env=EnvConfig(kind="megarl.envs.examples.agents:check_your_work", agent_timeout_s=0))
     assert ("env.agent_timeout_s", 0, "(0, inf)") in env_ranges(cfg)
 

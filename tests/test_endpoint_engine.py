@@ -6,6 +6,8 @@ history splits and is counted; the endpoint refuses malformed requests and unkno
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -247,3 +249,45 @@ def test_an_outside_openai_client_chats_with_the_engines_own_tokens_and_waits_ac
         ray.get(engine.set_weight_version.remote(0), timeout=60)
         http.close()
         bound.stop()
+
+
+def test_agent_episodes_suspended_across_a_sync_go_on_under_the_new_weights(engine, hf_model):
+    """rollout.partial=continue for agents: ``interrupt`` of the call's epoch suspends the
+    unfinished agents on the engine (each waits on its request; the turn it was generating is held)
+    and ``continue_episodes`` finishes them under the next version, the held turn generated again
+    whole: every turn's tokens are of one version, and the trajectories are still exactly what
+    the engine was given and sampled (transformers reproduces every trained token's log-prob)."""
+    import time
+
+    import ray
+
+    from megarl.rollout.remote import episode_requests, submit_episode_requests
+
+    cfg = RunConfig(env=EnvConfig(kind="megarl.envs.examples.agents:check_your_work", options={"max_tokens": 20},
+                                  max_turns=2, max_episode_tokens=256, agent_timeout_s=300))
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len = 24, 1024
+    sampling = SamplingConfig(temperature=1.0, max_tokens=24, n=2, stop_token_ids=[2], seed=23, weight_version=0)
+    requests = episode_requests(ITEMS[:2], sampling, cfg)
+    before = ray.get(engine.sampled_tokens.remote(), timeout=60)
+    call = submit_episode_requests(engine, requests, sampling, cfg, epoch=31, keep="agents")
+    while ray.get(engine.sampled_tokens.remote(), timeout=60) < before + 4 * 16:  # the first turns well on
+        time.sleep(0.05)
+    ray.get(engine.interrupt.remote(31), timeout=60)
+    first = ray.get(call, timeout=300)
+    waiting = [i for i, t in enumerate(first) if t is None]
+    assert waiting and all(set(t.versions) == {0} for t in first if t is not None)
+    ray.get(engine.set_weight_version.remote(1), timeout=60)  # as a weight sync leaves it
+    try:
+        rest = ray.get(engine.continue_episodes.remote("agents", replace(sampling, n=1, weight_version=1), 32),
+                       timeout=300)
+    finally:
+        ray.get(engine.set_weight_version.remote(0), timeout=60)
+    assert len(rest) == len(waiting) and all(t is not None and not t.error for t in rest), rest
+    assert any(1 in t.versions for t in rest)
+    for t in rest:
+        assert len(t.turns) == 2 and t.response_ids == t.turns[0] + t.observations[0] + t.turns[1]
+        at = 0
+        for ids in (t.turns[0], t.observations[0], t.turns[1]):
+            assert len(set(t.versions[at:at + len(ids)])) == 1  # a turn (and the context before it) of one version
+            at += len(ids)
+    assert _logprob_gap(hf_model, rest[0]) < 1e-3

@@ -250,11 +250,11 @@ class VLLMEngine(GroupServing, AgentHosting):
 
         self._check_version(sampling)
         if (agent := load_agent(env)) is not None:  # an agent through the endpoint (megarl.rollout.endpoint)
-            return self._run_episodes(None, epoch, None, lambda stop: self._agent_episodes(
-                agent, requests, sampling, env, limits, stop, keep))
-        make_env, renderer = self._episode_setup(env, rewards)
-        runner = EpisodeRunner(self._turns(sampling), renderer, make_env, limits, self._env_loop(),
-                               version=self.weight_version)
+            runner = self._agent_runner(agent, sampling, env, limits)
+        else:
+            make_env, renderer = self._episode_setup(env, rewards)
+            runner = EpisodeRunner(self._turns(sampling), renderer, make_env, limits, self._env_loop(),
+                                   version=self.weight_version)
         return self._run_episodes(runner, epoch, keep, lambda stop: runner.run(requests, stop, keep is not None))
 
     def continue_episodes(self, keep: str, sampling: SamplingConfig, epoch: int) -> list[Trajectory | None]:

@@ -120,9 +120,6 @@ def _agent_errors(cfg: RunConfig) -> list[str]:
     errors = []
     if cfg.rollout.granularity == "group":
         errors.append("env.kind names an agent function: rollout.granularity=group cannot serve it yet (use batch)")
-    if cfg.trainer.schedule == "opportunistic" and cfg.rollout.partial == "continue":
-        errors.append("env.kind names an agent function: its episodes cannot be suspended across a weight sync yet; "
-                      "with trainer.schedule=opportunistic use rollout.partial=regenerate")
     return errors
 
 

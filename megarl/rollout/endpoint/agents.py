@@ -7,7 +7,11 @@ agents on the endpoint's event loop (each with a session opened for it, the clie
 and answers each episode's ``Trajectory`` (``Session.finish``) in request order. An agent that
 raises, returns something other than a finite number, or runs past ``timeout_s`` fails its
 episode (``env_error``, reward 0, the error kept); the others go on. With ``stop`` (an
-interruption) the unfinished agents are cancelled, their turns aborted, and None answers them.
+interruption) the unfinished agents are cancelled, their turns aborted, and None answers them;
+or, with ``suspend`` (``rollout.partial=continue``), they are kept: each agent waits on its
+request, the turn it was generating held by the link and generated again, whole, by ``resume``
+(the next call, under that call's weights). Each turn's tokens come from one weight version,
+recorded with it.
 """
 
 from __future__ import annotations
@@ -59,35 +63,80 @@ class EndpointHost:
         self.loop.submit(self.endpoint.stop()).result(timeout=60)
 
 
+class _Nothing:
+    """A backend with nothing at the engine (dropping suspended agents: their turns are held)."""
+
+    def abort(self, request_ids: list[str] | None = None) -> list[str]:
+        return []
+
+
 class AgentEpisodes:
     def __init__(self, host: EndpointHost, agent: Callable, options: dict[str, Any], limits: SessionLimits,
                  sampling: SessionSampling, max_concurrent: int, timeout_s: float):
         self.host, self.agent, self.options = host, agent, dict(options)
         self.limits, self.sampling, self.max_concurrent, self.timeout_s = limits, sampling, max_concurrent, timeout_s
         self.call = uuid.uuid4().hex[:8]
+        self._requests: list[EpisodeRequest] = []
+        self._answers: list[Trajectory | None] = []
+        self._waiting: deque[int] = deque()
+        self._running: dict = {}  # the agents' futures -> their request's index
+        self._owed: list[int] = []  # the requests not answered yet
+
+    @property
+    def suspended(self) -> bool:
+        """Whether agents wait for ``resume`` (a call stopped with ``suspend``)."""
+        return bool(self._owed)
 
     def run(self, requests: list[EpisodeRequest], backend: RequestBackend, version: int,
-            stop: Callable[[], bool] | None = None) -> list[Trajectory | None]:
-        host = self.host
-        answers: list[Trajectory | None] = [None] * len(requests)
-        waiting, running = deque(range(len(requests))), {}
-        host.link.start()
+            stop: Callable[[], bool] | None = None, suspend: bool = False) -> list[Trajectory | None]:
+        """Every request's episode, in request order (None: stopped)."""
+        self._requests, self._answers = list(requests), [None] * len(requests)
+        self._waiting, self._running, self._owed = deque(range(len(requests))), {}, list(range(len(requests)))
+        self.host.link.start()
+        return self._drive(backend, version, stop, suspend)
+
+    def resume(self, backend: RequestBackend, version: int, stop: Callable[[], bool] | None = None,
+               suspend: bool = False) -> list[Trajectory | None]:
+        """The suspended episodes go on under ``version``; answers them in request order (None:
+        stopped again)."""
+        assert self._owed, "resume: nothing is suspended"
+        self.host.link.start(resume=True)
+        return self._drive(backend, version, stop, suspend)
+
+    def close(self) -> None:
+        """Drops what is suspended: the agents are cancelled, their held turns refused."""
+        for future in self._running:
+            future.cancel()
+        self._running, self._waiting, self._owed = {}, deque(), []
+        self.host.link.stop_all(_Nothing(), "the episodes were dropped")
+
+    def _drive(self, backend: RequestBackend, version: int, stop: Callable[[], bool] | None,
+               suspend: bool) -> list[Trajectory | None]:
+        host, answers, running, kept = self.host, self._answers, self._running, False
         try:
-            while waiting or running:
+            while self._waiting or running:
                 if stop is not None and stop():
+                    if suspend:
+                        host.link.suspend(backend)
+                        kept = True
                     break
-                while waiting and len(running) < self.max_concurrent:
-                    i = waiting.popleft()
-                    running[host.loop.submit(self._episode(i, requests[i]))] = i
+                while self._waiting and len(running) < self.max_concurrent:
+                    i = self._waiting.popleft()
+                    running[host.loop.submit(self._episode(i, self._requests[i]))] = i
                 host.link.pump(backend, version)
                 for future in [f for f in running if f.done()]:
                     answers[running.pop(future)] = future.result()
         finally:
-            for future, i in running.items():  # interrupted: dropped (their sessions close as they cancel)
-                if not future.cancel() and not future.cancelled():
-                    answers[i] = future.result()  # it finished meanwhile
-            host.link.stop_all(backend, "the episodes' engine call is over")
-        return answers
+            if not kept:
+                for future, i in running.items():  # interrupted: dropped (their sessions close as they cancel)
+                    if not future.cancel() and not future.cancelled():
+                        answers[i] = future.result()  # it finished meanwhile
+                running.clear()
+                self._waiting.clear()
+                host.link.stop_all(backend, "the episodes' engine call is over")
+        owed = [answers[i] for i in self._owed]
+        self._owed = [i for i in self._owed if answers[i] is None] if kept else []
+        return owed
 
     async def _episode(self, index: int, request: EpisodeRequest) -> Trajectory:
         book = self.host.endpoint.book

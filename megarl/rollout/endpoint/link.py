@@ -6,6 +6,10 @@ environment loop); the engine is driven by the actor's main thread, a decoding s
 hands queued turns and cancellations to the backend, runs one decoding step, and answers the
 turns that finished. A handler cancelled while its turn generates (the client went away) aborts
 the turn. Nothing else crosses between the two threads: sessions belong to the loop.
+
+Suspended (``rollout.partial=continue``: a weight sync interrupted the call, ``suspend``), the
+link holds the turns it had handed to the engine and queues new ones; the next call
+(``start(resume=True)``) hands them to the engine again, whole, under its weights.
 """
 
 from __future__ import annotations
@@ -42,11 +46,17 @@ class EngineLink:
         self._waiting: dict[str, asyncio.Future] = {}  # on the loop only
         self._ids = itertools.count()
         self.driving = False  # an engine call pumps (set by the engine's thread)
+        self.holding = False  # suspended: turns wait for the next call (set by the engine's thread)
+        # the engine's thread only: each turn handed to the backend, under the id it has there
+        # (a held turn goes back under a new one: the engine may still know the old)
+        self._given: dict[str, tuple[str, list[int], TurnSpec]] = {}
+        self._attempts = itertools.count()
+        self._tried: set[str] = set()  # the turns given to the engine at least once
 
     # -- the loop's side ----------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], spec: TurnSpec, session: str = "") -> SampledTurn:
-        if not self.driving:
+        if not (self.driving or self.holding):
             raise ApiError(503, "the engine is not running episodes now", code="megarl_not_generating",
                            kind="server_error")
         request_id = f"megarl-endpoint-{next(self._ids)}"
@@ -76,14 +86,30 @@ class EngineLink:
 
     # -- the engine's side ----------------------------------------------------------------------
 
-    def start(self) -> None:
-        """An engine call begins pumping (what an earlier call left queued is dropped)."""
-        while True:
-            try:
-                self._inbox.get_nowait()
-            except queue.Empty:
-                break
-        self.driving = True
+    def start(self, resume: bool = False) -> None:
+        """An engine call begins pumping: what an earlier call left queued is dropped, or with
+        ``resume`` what a suspended call held goes to the engine first."""
+        if not resume:
+            while True:
+                try:
+                    self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            self._given.clear()
+            self._tried.clear()
+        self.driving, self.holding = True, False
+
+    def suspend(self, backend: RequestBackend) -> int:
+        """The call is interrupted and its episodes kept: the turns at the engine are aborted and
+        held (their callers wait), and new turns queue, until ``start(resume=True)``; how many
+        turns were held."""
+        held = list(self._given.values())
+        backend.abort(None)
+        self._given.clear()
+        for request_id, prompt_ids, spec in held:
+            self._inbox.put(("add", request_id, prompt_ids, spec))
+        self.driving, self.holding = False, True
+        return len(held)
 
     def _send(self, request_id: str, answer: Any) -> None:
         self.loop.call_soon_threadsafe(self._answer, request_id, answer)
@@ -99,25 +125,35 @@ class EngineLink:
                 break
             wait = False
             if command[0] == "abort":
-                backend.abort([command[1]])
+                given = [k for k, (rid, _, _) in self._given.items() if rid == command[1]]
+                backend.abort(given)
+                for k in given:
+                    del self._given[k]
                 continue
             _, request_id, prompt_ids, spec = command
+            # its own id the first time; a held turn given again gets a new one
+            key = f"{request_id}.again-{next(self._attempts)}" if request_id in self._tried else request_id
+            self._tried.add(request_id)
             try:
-                backend.add(request_id, prompt_ids, spec)
+                backend.add(key, prompt_ids, spec)
+                self._given[key] = (request_id, prompt_ids, spec)
             except Exception as exc:  # the engine refuses the request: the client hears why
                 self._send(request_id, ApiError(400, f"the engine refused the request: {exc}"))
         if not backend.has_unfinished():
             return 0
         finished = backend.step()
-        for request_id, turn in finished:
+        for key, turn in finished:
             turn.version = version
-            self._send(request_id, turn)
+            given = self._given.pop(key, None)
+            if given is not None:
+                self._send(given[0], turn)
         return len(finished)
 
     def stop_all(self, backend: RequestBackend, why: str) -> None:
         """Every queued and generating turn ends unanswered by the engine: the client hears ``why``."""
-        self.driving = False
-        refused = backend.abort(None)
+        self.driving = self.holding = False
+        refused = [self._given[k][0] for k in backend.abort(None) if k in self._given]
+        self._given.clear()
         while True:
             try:
                 command = self._inbox.get_nowait()

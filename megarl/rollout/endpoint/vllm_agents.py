@@ -27,6 +27,32 @@ from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest, Trajectory
 from megarl.rollout.sampling import SamplingConfig
 
 
+class AgentRunner:
+    """Agent episodes in the shape of ``EpisodeRunner`` (what ``VLLMEngine._run_episodes``,
+    ``continue_episodes`` and ``drop_episodes`` call), each call on a fresh request backend."""
+
+    def __init__(self, episodes: AgentEpisodes, backend: Callable[[], VLLMRequests], version: int):
+        self.episodes, self.backend, self.version = episodes, backend, version
+
+    @property
+    def suspended(self) -> bool:
+        return self.episodes.suspended
+
+    def run(self, requests: list[EpisodeRequest], stop: Callable[[], bool] | None = None,
+            suspend: bool = False) -> list[Trajectory | None]:
+        return self.episodes.run(requests, self.backend(), self.version, stop, suspend)
+
+    def resume(self, turns: Any, version: int, stop: Callable[[], bool] | None = None,
+               suspend: bool = False) -> list[Trajectory | None]:
+        """``turns``, the engine's step-by-step backend for episode runners, is not used: agents'
+        turns carry their own sampling settings (``VLLMRequests``)."""
+        self.version = version
+        return self.episodes.resume(self.backend(), version, stop, suspend)
+
+    def close(self) -> None:
+        self.episodes.close()
+
+
 class AgentHosting:
     _endpoint_host: EndpointHost | None = None
 
@@ -34,12 +60,9 @@ class AgentHosting:
         """The endpoint's base URL ('' before the first agent call started it)."""
         return "" if self._endpoint_host is None else self._endpoint_host.endpoint.url
 
-    def _agent_episodes(self, agent: Callable, requests: list[EpisodeRequest], sampling: SamplingConfig, env: Any,
-                        limits: EpisodeLimits, stop: Callable[[], bool] | None,
-                        keep: str | None) -> list[Trajectory | None]:
-        if keep is not None:
-            raise ValueError("agent episodes cannot be suspended across a weight sync yet "
-                             "(rollout.partial=continue); use rollout.partial=regenerate")
+    def _agent_runner(self, agent: Callable, sampling: SamplingConfig, env: Any, limits: EpisodeLimits) -> AgentRunner:
+        """The call's agent episodes, run as the engine runs an ``EpisodeRunner`` (``run``, then
+        ``resume`` after an interruption that kept them, or ``close``)."""
         if self._endpoint_host is None:
             from transformers import AutoTokenizer
 
@@ -51,13 +74,13 @@ class AgentHosting:
         def count(tokens: int) -> None:
             self._sampled_tokens += tokens
 
-        backend = VLLMRequests(self.llm, self._tokenizer(), sampling.stop_token_ids, on_sampled=count)
         episodes = AgentEpisodes(
             self._endpoint_host, agent, env.options,
             SessionLimits(limits.max_turns, limits.max_episode_tokens, limits.max_turn_tokens, limits.max_model_len),
             SessionSampling(sampling.temperature, sampling.top_p, sampling.top_k, fixed=True),
             limits.max_concurrent, env.agent_timeout_s)
-        return episodes.run(requests, backend, self.weight_version, stop)
+        return AgentRunner(episodes, lambda: VLLMRequests(self.llm, self._tokenizer(), sampling.stop_token_ids,
+                                                          on_sampled=count), self.weight_version)
 
     def endpoint_turns(self, turns: list[tuple[list[int], TurnSpec]], stop_token_ids: list[int],
                        version: int) -> list[SampledTurn | str]:
