@@ -103,27 +103,25 @@ def _logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
-def _synced_logprobs(model, tokens: torch.Tensor, **engine_kwargs) -> torch.Tensor:
-    """vLLM's prompt log-probs of ``tokens`` after one weight sync from a Megatron actor loaded
-    from ``model`` into an engine that started from random weights (Ray started: ``ray_session``)."""
+def _synced_logprobs(actor, model, tokens: torch.Tensor, **engine_kwargs) -> torch.Tensor:
+    """vLLM's prompt log-probs of ``tokens`` after one weight sync from ``actor`` (a Megatron rank
+    group) loaded from ``model`` into an engine that started from random weights."""
     import ray
 
     from megarl.rollout.remote import start_engine, wait_ready
-    from megarl.workers import WorkerGroup
     from megarl.workers.weight_sync import WeightSync
 
     engine = start_engine(str(model), max_model_len=256, max_num_seqs=8, load_format="dummy", **engine_kwargs)
     try:
         wait_ready([engine])
-        with WorkerGroup("actor-fp8", 1) as actor:
-            actor.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig())
-            sync = WeightSync(actor, "actor", [engine], bucket_bytes=1 << 16)
-            try:
-                sync.setup()
-                report = sync.sync(check=True)  # checksums are of the bytes as sent: they still agree
-                assert report.bytes_ratio == 1.0 and not report.checksum_mismatches
-            finally:
-                sync.close()
+        actor.run(megatron_model.load, key="actor", source=str(model), parallel=ParallelConfig())
+        sync = WeightSync(actor, "actor", [engine], bucket_bytes=1 << 16)
+        try:
+            sync.setup()
+            report = sync.sync(check=True)  # checksums are of the bytes as sent: they still agree
+            assert report.bytes_ratio == 1.0 and not report.checksum_mismatches
+        finally:
+            sync.close()
         return torch.tensor(ray.get(engine.prompt_logprobs.remote(tokens.tolist())))
     finally:
         ray.kill(engine)
@@ -137,18 +135,24 @@ def fp8_model(tmp_path_factory):
                          vocab_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-def test_emulated_sync_rounds_the_linear_weights_as_vllm_fp8_would(fp8_model, ray_session):
+@pytest.fixture
+def actor(groups):
+    """One Megatron rank, started once for the module's two syncs (each test loads its own weights)."""
+    return groups.get("actor-fp8", 1)
+
+
+def test_emulated_sync_rounds_the_linear_weights_as_vllm_fp8_would(fp8_model, actor):
     import transformers
 
     tokens = random_tokens(batch=2, seq=24, vocab=256)
-    got = _synced_logprobs(fp8_model, tokens, tp=1, weights="fp8_emulated")
+    got = _synced_logprobs(actor, fp8_model, tokens, tp=1, weights="fp8_emulated")
     rounded = _logprobs(_rounded_like_vllm(fp8_model, None), tokens)
     exact = _logprobs(transformers.AutoModelForCausalLM.from_pretrained(fp8_model).float().eval(), tokens)
     assert (got - rounded).abs().max() <= 1e-3, (got - rounded).abs().max()
     assert (got - exact).abs().max() > 1e-2  # the rounding is there, and large enough to tell apart
 
 
-def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path, ray_session):
+def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path, actor):
     """``rollout.weights: fp8`` at vLLM TP 2: vLLM's own online FP8 (a bfloat16 engine) quantizes
     each weight the sync hands it, one scale per fused tensor reduced over the TP ranks, and
     multiplies in FP8. Oracle: the same engine as it loaded the HF checkpoint itself with its FP8
@@ -160,7 +164,6 @@ def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path, ray_sessi
     import transformers
 
     from megarl.rollout.remote import start_engine, wait_ready
-    from megarl.workers import WorkerGroup
     from megarl.workers.weight_sync import WeightSync
 
     other = build_tiny_hf("llama", tmp_path / "other", seed=1, hidden_size=128, intermediate_size=256, vocab_size=256,
@@ -173,18 +176,17 @@ def test_sync_into_vllm_fp8_is_vllms_own_fp8_load(fp8_model, tmp_path, ray_sessi
         wait_ready([engine])
         loaded = torch.tensor(ray.get(engine.prompt_logprobs.remote(tokens.tolist())))
         after = []
-        with WorkerGroup("actor-fp8", 1) as actor:
-            sync = WeightSync(actor, "actor", [engine], bucket_bytes=1 << 16)
-            try:
-                for source in (other, fp8_model):
-                    actor.run(megatron_model.load, key="actor", source=str(source), parallel=ParallelConfig())
-                    if sync.plan is None:
-                        sync.setup()
-                    report = sync.sync(check=True)  # checksums: of the BF16 values sent
-                    assert report.bytes_ratio == 1.0 and not report.checksum_mismatches
-                    after.append(torch.tensor(ray.get(engine.prompt_logprobs.remote(tokens.tolist()))))
-            finally:
-                sync.close()
+        sync = WeightSync(actor, "actor", [engine], bucket_bytes=1 << 16)
+        try:
+            for source in (other, fp8_model):
+                actor.run(megatron_model.load, key="actor", source=str(source), parallel=ParallelConfig())
+                if sync.plan is None:
+                    sync.setup()
+                report = sync.sync(check=True)  # checksums: of the BF16 values sent
+                assert report.bytes_ratio == 1.0 and not report.checksum_mismatches
+                after.append(torch.tensor(ray.get(engine.prompt_logprobs.remote(tokens.tolist()))))
+        finally:
+            sync.close()
     finally:
         ray.kill(engine)
     assert (after[0] - loaded).abs().mean() > 0.1  # the other model's weights landed
