@@ -139,6 +139,54 @@ def test_an_episode_on_a_killed_engine_starts_over_elsewhere_and_trains_whole(po
     assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(5)]
 
 
+def test_a_colocated_engine_and_actor_rank_that_die_come_back_in_the_hand_over_order(policy, reward_url, tmp_path,
+                                                                                      cli):
+    """Colocated, one engine (no other to take its calls): kill -9 of its vLLM core while step 2
+    generates. The batch's calls wait in the rollout service; the driver starts a replacement at
+    once with the actor off the device, puts it to sleep, brings the actor back, syncs the weights
+    the engine held (version 1), checks it, and the calls are asked of it: step 2's prompts train
+    once. Then kill -9 of actor rank 0 while step 4 updates: the roles restart in place from the
+    memory snapshot with vLLM asleep, and the run finishes all 5 steps."""
+    from megarl.config.loader import load_config
+    from megarl.config.schema import RunConfig
+    from megarl.data.prompts import prompt_dataset
+    from megarl.recipes import DEFAULT
+
+    run_dir = tmp_path / "colocated"
+    overrides = [*_overrides(policy, reward_url, run_dir), "trainer.steps=5", "rollout.engines=1",
+                 "rollout.colocate_with=actor", "trainer.max_restarts=1", "trainer.snapshot=memory"]
+    with cli_train_run(cli, overrides) as proc:
+        wait_for_phase(run_dir, proc, 2, "rollout")
+        killed = _engine_pid(run_dir, 0, "VLLM::EngineCore")
+        os.kill(killed, signal.SIGKILL)
+        wait_for_phase(run_dir, proc, 4, "actor_update")
+        os.kill(json.loads((run_dir / "workers.json").read_text())["actor"][0], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-4000:]
+    lines = output.splitlines()
+    seen = f"fleet: rollout engine 0: vLLM's process VLLM::EngineCore (pid {killed}) died; its work waits"
+    assert any(line.startswith(seen) for line in lines), output[-3000:]
+    [back] = [line for line in lines if "rollout engine 0 holds weight version" in line]
+    assert "version 1," in back and "serves again from step 2" in back, back
+    took = float(re.search(r"\(([\d.]+) s after its fault\)", back).group(1))
+    print(f"colocated engine (SIGKILL of its core at step 2): serving again {took:.1f} s after the watchdog saw "
+          f"the fault")
+    [restart] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert (restart["failed_step"], restart["restored_step"], restart["from"]) == (4, 3, "the in-memory snapshot")
+    history = read_metrics(run_dir)
+    assert [h["step"] for h in history] == list(range(1, 6))
+    h = history[1]
+    assert h["sync/max_abs_logprob_diff"] <= 1e-3, h  # the replacement's check (verify_sync=first)
+    assert h["fleet/fault_s"] == pytest.approx(took, abs=0.1) and h["fleet/redispatched"] == 1
+    assert [h["fleet/engine_restarts"] for h in history] == [0, 1, 1, 1, 1]
+    assert [h["fleet/engines_alive"] for h in history] == [1.0] * 5
+    assert [h["trainer/restarts"] for h in history] == [0, 0, 0, 1, 1]
+    assert [h["rollout/weight_version"] for h in history] == [0, 1, 2, 3, 4]  # the batch re-asked kept its version
+    # every prompt of the dataset's first 5 batches trained once, in order: none lost, none twice
+    dataset = prompt_dataset(load_config(RunConfig, DEFAULT, overrides).data)
+    assert [h["data/prompt_ids"] for h in history] == [dataset.next_ids() for _ in range(5)]
+
+
 def test_a_straggler_is_asked_again_elsewhere_and_the_late_answer_dropped(smollm2_engine):
     """rollout.request_timeout_s: a call with no answer in time is asked again of another engine,
     once; the first answer is kept. The one shared engine stands under two indexes here, so the

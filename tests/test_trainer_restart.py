@@ -1,4 +1,4 @@
-"""Trainer faults restart in place (issue 42 item 3): what the restart relies on, and its refusal.
+"""Trainer faults restart in place (issue 42 item 3): what the restart relies on.
 The run itself, its actor rank SIGKILLed in step 3 and restarted from a memory snapshot or a
 checkpoint, is tests/test_trainer.py's ``test_actor_rank_killed_in_step_3_restarts_in_place_...``:
 it repeats that module's run one version ahead, which its kill-and-resume test shares.
@@ -11,11 +11,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from megarl.config.loader import load_config
-from megarl.config.schema import RunConfig
-from megarl.recipes import DEFAULT
-from megarl.validation.checks import validate_run
 
 
 def rank_tensor(mib: int, raise_it: bool = False):
@@ -53,12 +48,3 @@ def test_results_kept_by_run_kept_outlive_the_rank_and_a_death_is_told_from_an_e
         assert torch.equal(ray.get(kept), torch.arange(2**20, dtype=torch.float32))
     finally:
         group.shutdown()
-
-
-def test_restarts_in_place_are_refused_for_colocated_runs_before_start():
-    from megarl.config.loader import ConfigError
-
-    cfg = load_config(RunConfig, DEFAULT, ["rollout.colocate_with=actor", "trainer.max_restarts=1"])
-    with pytest.raises(ConfigError, match=r"trainer.max_restarts=1: restarting the roles in place is not supported "
-                                          r"for colocated runs"):
-        validate_run(cfg)

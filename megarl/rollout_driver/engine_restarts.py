@@ -10,10 +10,22 @@ log-probs are checked against the actor's (``trainer.verify_sync`` runs on every
 setting) before the service hands it any work. So a replaced engine never serves weights other than
 the version every engine holds.
 
+When no engine is left to finish the batch in flight (one engine, the usual colocated setup), the
+failed engine is replaced at once instead (``replace_now``, on the driver's thread while it waits
+for that batch or for a drain): its calls wait in the service and are asked of the replacement
+once it holds the actor's weights and is checked. That needs ``trainer.max_staleness: 0``, where
+the actor's weights are the engines' version whenever the driver waits on generation.
+
+Colocated, the driver starts a replacement where it fits the device's hand-over order
+(``megarl.trainer.colocation``: every role off the device as it starts, then it sleeps like the
+others and the actor comes back for the sync), whether at a weight sync or at once. On GPU this is
+the same code path; only the CPU one is tested.
+
 ``rollout.max_engine_restarts`` bounds the restarts per run; past it a failed engine is dropped and
 the run goes on with the others while ``rollout.min_engines`` allows. Otherwise, and where this
-is not built (streamed groups, colocated engines, or no other engine
-left to finish the batch in flight), the run ends with the watchdog's one line as before. Under the
+is not built (streamed groups: ``rollout.granularity=group`` hands each group to an engine outside
+the fleet's re-dispatch; one engine with batches generated ahead), the run ends with the
+watchdog's one line as before. Under the
 opportunistic schedule a failed engine's calls are lost, not asked again at once: their samples
 keep the tokens they had and go on elsewhere in the schedule's next round, and their episodes start
 over from their reset (an episode is kept only whole: ``megarl.rollout_driver.partial_episodes``).
@@ -38,9 +50,11 @@ Decision = Literal["restart", "drop", "end"]
 _BACKOFF_CAP_S = 30.0
 
 
-def decide(restarts_used: int, max_restarts: int, live_after: int, min_engines: int) -> Decision:
-    """What a run does with an engine's fault: ``live_after`` engines serve once it is out."""
-    if live_after < 1:
+def decide(restarts_used: int, max_restarts: int, live_after: int, min_engines: int,
+           replace_now: bool = False) -> Decision:
+    """What a run does with an engine's fault: ``live_after`` engines serve once it is out;
+    ``replace_now``: with none left, the run can wait for a replacement started at once."""
+    if live_after < 1 and not (replace_now and restarts_used < max_restarts):
         return "end"  # no engine left to finish the batch in flight
     if restarts_used < max_restarts:
         return "restart"
@@ -55,9 +69,8 @@ def backoff_s(nth_restart: int) -> float:
 def unsupported(cfg: RunConfig) -> str | None:
     """Why this run cannot ride through an engine's fault (None: it can)."""
     if cfg.rollout.granularity != "batch":
-        return "rollout.granularity=group"
-    if cfg.rollout.colocate_with is not None:
-        return "rollout.colocate_with"
+        return ("rollout.granularity=group streams each group to an engine outside the fleet's re-dispatch, "
+                "so engine faults are not survived")
     return None
 
 
@@ -90,7 +103,10 @@ class EngineRestarts:
         self.failed: dict[int, Fault] = {}  # taken on, not yet replaced or dropped
         self.replaced: list[Fault] = []  # replaced at this weight sync: they serve once it is checked
         self.fault_seconds: list[float] = []  # per replaced fault: from the fault to serving again
+        self._took = 0.0  # the longest of them since the last metrics
         self._why_not = unsupported(cfg)
+        # with no engine left, a replacement starts at once (while the driver waits on generation)
+        self.replaces_now = cfg.trainer.max_staleness == 0
         self._lock = threading.Lock()
 
     # -- the watchdog's thread ----------------------------------------------------------------------
@@ -101,10 +117,13 @@ class EngineRestarts:
         with self._lock:
             if index in self.failed:
                 return True
-            if self._why_not is not None or self.engines[index] is not actor:
+            if self.engines[index] is not actor:
+                return False
+            if self._why_not is not None:
+                print(f"fleet: {reason}; {self._why_not}: the run ends", flush=True)
                 return False
             live_after = len(self.engines) - len(self.failed) - 1
-            decision = decide(self.restarts, r.max_engine_restarts, live_after, r.min_engines)
+            decision = decide(self.restarts, r.max_engine_restarts, live_after, r.min_engines, self.replaces_now)
             if decision == "end":
                 return False
             fault = Fault(index, reason, time.monotonic(), decision)
@@ -113,7 +132,9 @@ class EngineRestarts:
                 fault.nth = self.restarts
             self.failed[index] = fault
         self.rollout.engine_failed(index)
-        then = (f"its work goes to the other engines and a replacement starts at the next weight sync "
+        then = (f"its work waits for a replacement, started now (restart {fault.nth} of {r.max_engine_restarts})"
+                if decision == "restart" and live_after < 1 else
+                f"its work goes to the other engines and a replacement starts at the next weight sync "
                 f"(restart {fault.nth} of {r.max_engine_restarts})" if decision == "restart" else
                 f"no restarts left (rollout.max_engine_restarts={r.max_engine_restarts}): the run goes on "
                 f"with {live_after} engine{'s' if live_after > 1 else ''}")
@@ -122,9 +143,16 @@ class EngineRestarts:
 
     # -- the driver's thread, at a weight sync with nothing generating ------------------------------
 
-    def replace_failed(self, sync: Any) -> Any:
+    def stranded(self) -> bool:
+        """Every engine failed: nothing finishes the batch in flight until a replacement does."""
+        with self._lock:
+            return bool(self.engines) and len(self.failed) >= len(self.engines)
+
+    def replace_failed(self, sync: Any, joined: Callable[[list], None] | None = None) -> Any:
         """Replaces (or drops) the failed engines; returns the weight sync to use from now on: ``sync``
-        when nothing failed, else one formed anew with the engines that serve next."""
+        when nothing failed, else one formed anew with the engines that serve next. ``joined(started)``:
+        the replacements are up, before they take weights (colocated: they sleep like the others).
+        The service gets them from ``serve``, once they are checked."""
         from megarl.rollout.remote import wait_ready
 
         with self._lock:
@@ -143,8 +171,6 @@ class EngineRestarts:
             time.sleep(max(0.0, fault.at + backoff_s(fault.nth) - time.monotonic()))
             self.engines[fault.index] = self.start_engine(fault.index)
             started.append(self.engines[fault.index])
-            # the service serves with it from its next resume, after this sync
-            self.rollout.replace_engine(fault.index, self.engines[fault.index])
         drops = [f.index for f in faults if f.decision == "drop"]
         for index in reversed(drops):  # the service's list and this one lose the same entries
             del self.engines[index]  # the evaluator's and colocation's list too: it is theirs
@@ -154,6 +180,8 @@ class EngineRestarts:
             fault.index -= sum(index < fault.index for index in drops)
         wait_ready(started, timeout_s=self.cfg.trainer.step_timeout_s)
         fresh = self.new_sync()
+        if joined is not None:
+            joined(started)
         # every engine watched under its index now, the new ones with their processes in engines.json
         self.watchdog.forget_engines()
         for i, engine in enumerate(self.engines):
@@ -162,20 +190,24 @@ class EngineRestarts:
         self.replaced = restarts
         return fresh
 
-    def served_again(self, step: int) -> dict[str, float]:
-        """After the weight sync of ``step`` (and its check): the replaced engines serve from the next
-        step. The fleet's metrics."""
-        took = 0.0
+    def serve(self, version: int, from_step: int) -> None:
+        """The replacements hold weight ``version``, checked against the actor: the service gives
+        them work from now on (at a sync, from its resume; at once, the failed engine's calls)."""
         for fault in self.replaced:
-            took = max(took, time.monotonic() - fault.at)
+            self.rollout.replace_engine(fault.index, self.engines[fault.index])
+            took = time.monotonic() - fault.at
             self.fault_seconds.append(took)
-            print(f"fleet: rollout engine {fault.index} holds weight version {step}, checked against the actor, "
-                  f"and serves again from step {step + 1} ({took:.1f} s after its fault)", flush=True)
+            self._took = max(self._took, took)
+            print(f"fleet: rollout engine {fault.index} holds weight version {version}, checked against the actor, "
+                  f"and serves again from step {from_step} ({took:.1f} s after its fault)", flush=True)
+        self.replaced = []
+
+    def metrics(self) -> dict[str, float]:
+        """The fleet's metrics for a step; ``fleet/fault_s`` where an engine served again since the last."""
         metrics = {"fleet/engines_alive": float(len(self.engines) - len(self.failed)),
                    "fleet/engine_restarts": float(self.restarts), "fleet/engines_dropped": float(self.dropped)}
-        if self.replaced:
-            metrics["fleet/fault_s"] = took
-        self.replaced = []
+        if self._took:
+            metrics["fleet/fault_s"], self._took = self._took, 0.0
         counters = self.rollout.fleet_counters()
         return metrics | {"fleet/redispatched": float(counters["redispatched"]),
                           "fleet/stragglers": float(counters["stragglers"])}

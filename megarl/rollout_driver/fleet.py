@@ -12,7 +12,10 @@ once: the answers are kept by call position, never added twice.
 
 The driver replaces a failed engine at the next weight sync (``megarl.rollout_driver.engine_restarts``)
 and hands the service the new handle (``replace``) once it holds the current weights; until then
-the failed engine gets no new work.
+the failed engine gets no new work. When no engine is left to ask, a failed engine's calls wait
+for its replacement, which the driver starts at once (``trainer.max_staleness: 0``, one engine,
+colocated or not), and are asked of it when it arrives: the batch in flight is the one the failed
+engine would have returned, its prompts trained once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Dispatch:
     started: float = field(default_factory=time.monotonic)
     # the straggler this call asks again: whichever of the two answers first is kept, the other dropped
     straggler: Dispatch | None = None
+    # the engine handle it went to: once a replacement stands at ``engine``, this call is the old one's
+    handle: Any = None
 
 
 class EngineFleet:
@@ -84,7 +89,14 @@ class EngineFleet:
         return {"redispatched": self.redispatched, "stragglers": self.stragglers}
 
     def dispatch(self, index: int, ask: Callable[[Any], Any]) -> Dispatch:
-        return Dispatch(index, ask(self.engines[index]), ask)
+        engine = self.engines[index]
+        return Dispatch(index, ask(engine), ask, handle=engine)
+
+    def _orphaned(self, call: Dispatch) -> bool:
+        """Whether ``call`` went to an engine that failed: still failed, or replaced since."""
+        with self._lock:
+            return call.engine in self.failed or (call.handle is not None
+                                                   and call.handle is not self.engines[call.engine])
 
     def submit_shares(self, shares: list[Any], ask: Callable[[Any, Any], Any]) -> list[Dispatch]:
         """One call per non-empty share, share k on the k-th live engine (``shares`` as many as
@@ -109,10 +121,15 @@ class EngineFleet:
             waiting = {}  # ref -> (call position, the Dispatch it belongs to)
             for k in range(len(calls)):
                 if not done[k]:
-                    waiting[calls[k].ref] = (k, calls[k])
+                    # a failed engine's call that no engine could take yet waits for the replacement:
+                    # its failed ref, ready at once, would only spin this loop
+                    if not self._orphaned(calls[k]):
+                        waiting[calls[k].ref] = (k, calls[k])
                     if (late := calls[k].straggler) is not None:
                         waiting[late.ref] = (k, late)
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=_POLL_S)
+            ready = ray.wait(list(waiting), num_returns=1, timeout=_POLL_S)[0] if waiting else []
+            if not waiting:
+                time.sleep(_POLL_S)
             for ref in ready:
                 k, call = waiting[ref]
                 try:
@@ -121,9 +138,10 @@ class EngineFleet:
                 except ray.exceptions.RayActorError:
                     pass
                 except ray.exceptions.RayTaskError:
-                    if not self._faulty(call.engine):
+                    if not self._orphaned(call) and not self._faulty(call.engine):
                         raise
-                self.mark_failed(call.engine)
+                if not self._orphaned(call):  # a replaced engine's call fails as it goes: no news
+                    self.mark_failed(call.engine)
                 if call is calls[k].straggler:  # the call that asks it again goes on
                     calls[k].straggler = None
             now = time.monotonic()
@@ -132,7 +150,7 @@ class EngineFleet:
                     continue
                 # asked again once: a second timeout on a slow fleet would only pile up calls
                 straggling = calls[k].straggler is None and now - calls[k].started > self.request_timeout_s
-                if calls[k].engine in self.failed or straggling:
+                if self._orphaned(calls[k]) or straggling:
                     self._ask_again(calls, k, straggling)
             if not all(done) and now >= deadline:
                 raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
@@ -173,9 +191,10 @@ class EngineFleet:
 
     def _ask_again(self, calls: list[Dispatch], k: int, straggling: bool) -> None:
         """Call ``k`` to the live engine with the fewest calls of this batch (another than its own
-        for a straggler); none live: it waits for a replacement."""
+        for a straggler; for a failed engine's call, its replacement too); none live: it waits for
+        a replacement."""
         here = calls[k].engine
-        others = [e for e in self.live() if e != here]
+        others = [e for e in self.live() if e != here or not straggling]
         if not others:
             return
         load = {e: sum(c.engine == e for c in calls) for e in others}
@@ -187,8 +206,8 @@ class EngineFleet:
         self.redispatched += 1
         self.stragglers += straggling
         why = f"no answer within {self.request_timeout_s:g} s" if straggling else "its engine failed"
-        print(f"fleet: a generation call of rollout engine {here} asked again of engine {target} ({why})",
-              flush=True)
+        whom = f"its replacement, engine {target}" if target == here else f"engine {target}"
+        print(f"fleet: a generation call of rollout engine {here} asked again of {whom} ({why})", flush=True)
 
     def _faulty(self, index: int) -> bool:
         """Whether engine ``index`` lost a vLLM process or cannot answer its liveness check."""

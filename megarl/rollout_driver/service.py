@@ -88,8 +88,10 @@ class RolloutService:
         """The driver's watchdog saw engine ``index`` fail: answered while ``take`` waits on it."""
         self.manager.fleet.mark_failed(index)
 
+    @_fleet_method
     def replace_engine(self, index: int, engine: Any) -> None:
-        """Engine ``index``'s replacement, holding the current weights (between a drain and a resume)."""
+        """Engine ``index``'s replacement, holding the current weights (between a drain and a resume,
+        or while a take waits on the failed engine's calls: no other engine could take them)."""
         self._forget_suspended(index, dropped=False)
         self.manager.fleet.replace(index, engine)
 
@@ -99,7 +101,7 @@ class RolloutService:
 
     def _forget_suspended(self, index: int, dropped: bool) -> None:
         """The episodes suspended on a failed engine start over from their reset (a replacement holds none)."""
-        for queued in self.queue.batches.values():
+        for queued in list(self.queue.batches.values()):  # a take may change them meanwhile
             if isinstance(queued, PartialEpisodes):
                 forget_engine(queued, index, dropped)
 

@@ -16,6 +16,7 @@ from megarl.algorithms import get_algorithm
 from megarl.algorithms.base import ScoredBatch
 from megarl.algorithms.distill import teacher_metrics
 from megarl.config.schema import RunConfig
+from megarl.trainer.engine_faults import waiting_on_engines
 from megarl.trainer.evaluation import final_table
 from megarl.trainer.restarts import Restarts
 from megarl.trainer.run import Run
@@ -43,7 +44,9 @@ def train(cfg: RunConfig) -> list[dict]:
                 algo = replace(cfg.algorithm, kl_coef=run.kl_control.value)  # adapted each step (kl_target)
                 with run.phase("rollout"):
                     device.to_rollout()  # the Megatron roles leave the device to vLLM
-                    samples = rollout.take(run.step)  # and batches up to step + k are on their way
+                    # and batches up to step + k are on their way (an engine that fails with no other
+                    # to take its calls is replaced meanwhile, and the batch asked of the replacement)
+                    samples = waiting_on_engines(run, lambda: rollout.take(run.step))
                     device.to_training()  # vLLM sleeps, the roles come back
                 batch = samples.batch
                 with run.phase("reward"):

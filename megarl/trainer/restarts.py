@@ -16,6 +16,11 @@ Either way the trainer's own state (step, prompt stream position, the rollout qu
 batches it holds, the KL coefficient) comes back with it, as a checkpoint holds them, so under
 the exact schedule the finished run equals one that never failed, each prompt trained once.
 
+Colocated (``rollout.colocate_with``), the new ranks load with vLLM asleep, as after the step's
+``to_training`` hand-over, and the weight sync that follows wakes it in the usual order; the
+memory snapshot is taken with the roles back on the device (``Colocation.roles_on_device``: vLLM
+sleeps for it), since after a step they are off it.
+
 Only a death restarts: a rank that raises would raise again, and an engine's or the rollout
 service's fault is not the trainer's. Past ``max_restarts`` the run ends as it does without
 restarts, and re-running the command resumes from the last checkpoint.
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.engine_faults import waiting_on_engines
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import BaseOfActor
 from megarl.trainer.run import Run, RunFailed
@@ -132,10 +138,11 @@ class Restarts:
         run = self.run
         copies = {}
         if self.mode == "memory":
-            for name, role in run.trained_roles().items():
-                # each rank's copy stays on its node, owned by the driver: it outlives the rank
-                copies[name] = role.group.run_kept(snapshot_fns.take, key=name, timeout_s=role.timeout_s)
-        run.rollout.drain()  # nothing generating into the queue while it is copied
+            with run.colocation.roles_on_device():  # colocated, the roles are off the device after a step
+                for name, role in run.trained_roles().items():
+                    # each rank's copy stays on its node, owned by the driver: it outlives the rank
+                    copies[name] = role.group.run_kept(snapshot_fns.take, key=name, timeout_s=role.timeout_s)
+        waiting_on_engines(run, run.rollout.drain)  # nothing generating into the queue while it is copied
         state = run.rollout.state_dict() | {"kl_control": run.kl_control.state_dict()}
         with atomic_dir(run.run_dir / TRAINER_STATE, overwrite=True) as folder:
             run.rollout.save(folder)
@@ -178,6 +185,7 @@ class Restarts:
         wait_all([e.leave_sync_group.remote() for e in run.engines], timeout_s + tr.collective_timeout_s,
                  "the engines leaving the weight sync")
         run.rollout.drain()  # generation the step had started finishes (or stops) before the queue rewinds
+        run.colocation.engines_sleep()  # colocated, the new ranks load as after to_training
         for name, role in own.items():
             # the loop holds these role objects: they keep their identity and take the new ranks
             role.group = run._start_role(name, role.cfg, run.slots[name]).group

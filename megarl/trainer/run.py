@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from megarl.algorithms.kl_control import kl_controller
 from megarl.config.roles import ROLE_KINDS, TRAINED_ROLES
 from megarl.config.schema import RunConfig
@@ -30,6 +32,7 @@ from megarl.rollout_driver.engine_restarts import EngineRestarts, engine_table
 from megarl.rollout_driver.service import RolloutClient, start_rollout_service
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.colocation import Colocation
+from megarl.trainer.engine_faults import checks_since, waiting_on_engines
 from megarl.trainer.evaluation import Evaluator
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.roles import BaseOfActor, MegatronRole, reference_is_actor_base
@@ -69,6 +72,9 @@ class Run:
         self.engines_start_blank = False  # random weights until the first sync (a megarl checkpoint's actor)
         self.colocation = Colocation({}, [], 0.0)  # the real one once the roles are up
         self.fleet: EngineRestarts | None = None  # replaces failed engines (rollout.max_engine_restarts)
+        self.engine_version = 0  # the weight version the engines hold (0: the model's own)
+        self.check_tokens = None  # sequences a replaced engine is checked on: the last batch's first two
+        self.replacement_checks: list[dict[str, float]] = []  # engines replaced mid-step (engine_faults)
         self.outside = NoEndpoint()  # the endpoint for callers outside the run (rollout.endpoint.port)
 
     # -- construction --------------------------------------------------------------------------
@@ -109,6 +115,9 @@ class Run:
         self.engines = self._start_engines(actor_hf, slots["rollout"])
         tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
         dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
+        # an engine replaced before the first batch is checked on some text
+        self.check_tokens = torch.tensor([tokenizer("A replaced rollout engine scores this text as the actor does.")
+                                          ["input_ids"]])
         self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
         self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
         # paused until the first sync where the engines start without the policy's weights
@@ -252,31 +261,40 @@ class Run:
         and continued under the new weights: trainer.schedule=opportunistic)."""
         self.rollout.drain()
         replaced = self.fleet is not None and bool(self.fleet.failed)
-        if replaced:  # a failed engine's replacement takes these weights before it serves
-            self.sync = self.fleet.replace_failed(self.sync)
+        if replaced:  # a failed engine's replacement starts where it fits the device, takes these weights
+            self.colocation.make_room()
+            self.sync = self.fleet.replace_failed(self.sync, joined=self.colocation.join)
         self.colocation.to_sync()
         with self.outside.paused(self.step, self.engines):  # no outside turn sees half-synced weights
             report = self.sync.sync()
             wait_all([e.set_weight_version.remote(self.step) for e in self.engines],
                      self.cfg.trainer.collective_timeout_s, "recording the engines' weight version")
-        # a replacement is checked before the service hands it work (fault survival is disaggregated only)
-        checked = self.verify_sync(batch, every=True) if replaced and batch is not None else None
+        self.engine_version = self.step
+        if batch is not None:
+            self.check_tokens = batch.tokens[:2]
+        checked = None
+        if replaced:  # a replacement is checked, its KV cache back, before the service hands it work
+            self.colocation.after_sync()
+            checked = self.verify_sync(batch, every=True)
+            self.fleet.serve(self.step, from_step=self.step + 1)
         self.rollout.resume(self.step)
         self.colocation.after_sync()
         verified = checked if checked is not None else self.verify_sync(batch) if batch is not None else {}
         self.colocation.actor_off()
         if self.fleet is not None:
-            verified |= self.fleet.served_again(self.step)
+            verified = checks_since(self, verified) | self.fleet.metrics()
         # the refit: its time (on GPU, of the transfer, not its enqueueing) and bytes
         return verified | {"time/refit_s": report.seconds, "sync/received_bytes": float(sum(report.received.values())),
                            "sync/bytes_ratio": report.bytes_ratio}
 
-    def verify_sync(self, batch: RolloutBatch, every: bool = False) -> dict[str, float]:
-        """``every``: whatever ``trainer.verify_sync`` says (a replaced engine is checked before it serves)."""
+    def verify_sync(self, batch: RolloutBatch | None, every: bool = False) -> dict[str, float]:
+        """``every``: whatever ``trainer.verify_sync`` says (a replaced engine is checked before it
+        serves); no ``batch``: on the last one's sequences."""
         mode = self.cfg.trainer.verify_sync
         if not every and (mode == "never" or (mode == "first" and self.step > 1)):
             return {}
-        report = self.sync.verify(batch.tokens[:2], tolerance=self.cfg.trainer.verify_tolerance)
+        tokens = batch.tokens[:2] if batch is not None else self.check_tokens
+        report = self.sync.verify(tokens, tolerance=self.cfg.trainer.verify_tolerance)
         return {"sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
                 "sync/token_mult_prob_error": report.token_mult_prob_error}
 
@@ -299,7 +317,8 @@ class Run:
         return {n: r for n, r in self.roles.items() if n in TRAINED_ROLES}
 
     def save(self) -> Path:
-        self.rollout.drain()  # the batches generated ahead go into the checkpoint, finished or interrupted
+        # the batches generated ahead go into the checkpoint, finished or interrupted
+        waiting_on_engines(self, self.rollout.drain)
         # the prompt stream's position ("data"), the queue's and the KL coefficient where it adapts
         state = self.rollout.state_dict() | {"kl_control": self.kl_control.state_dict()}
         with self.colocation.roles_on_device():

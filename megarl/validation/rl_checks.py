@@ -98,11 +98,6 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
         errors.append(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout on its own resources, but "
                       f"rollout.colocate_with={cfg.rollout.colocate_with!r}; colocated runs are synchronous "
                       "(max_staleness: 0)")
-    if cfg.trainer.max_restarts > 0 and cfg.rollout.colocate_with is not None:
-        # a restart starts the roles' ranks on the device vLLM holds, outside the hand-over order
-        errors.append(f"trainer.max_restarts={cfg.trainer.max_restarts}: restarting the roles in place is not "
-                      f"supported for colocated runs (rollout.colocate_with={cfg.rollout.colocate_with!r}) yet; "
-                      "set it to 0 (re-running the command resumes from the last checkpoint)")
     return errors + schedule_errors(cfg) + placement_errors(cfg)
 
 
