@@ -318,7 +318,7 @@ def test_groups_of_episodes_stream_the_episodes_of_a_whole_batch(engine, tokeniz
     def first_batch(granularity: str):
         cfg.rollout.granularity = granularity
         manager = RolloutManager(cfg, [engine], tokenizer, prompt_dataset(cfg.data), RunReward(cfg.rewards))
-        rollout = manager.collect(manager.submit(1, version=0))
+        rollout = manager.finish(manager.submit(1, version=0))
         return rollout, manager.score(rollout)
 
     (whole, (whole_scores, _)), (grouped, (scores, parts)) = first_batch("batch"), first_batch("group")

@@ -194,7 +194,7 @@ def test_streamed_groups_of_segments_are_cut_short_by_an_interrupt_and_continue(
 
     from megarl.rollout.sampling import SegmentRequest
     from megarl.rollout_driver.group_streams import groups_as_they_finish, open_segment_group_streams
-    from megarl.rollout_driver.partial_samples import new_batch, stream, take_groups
+    from megarl.rollout_driver.partial_samples import new_batch
 
     sampling = SamplingConfig(temperature=1.0, max_tokens=12)
     requests = [(0, [SegmentRequest([1, 2, 3], 12, 40), SegmentRequest([1, 2, 3], 12, 41)]),
@@ -211,23 +211,24 @@ def test_streamed_groups_of_segments_are_cut_short_by_an_interrupt_and_continue(
 
     budget = 240
     prompts = [[1 + i, 2, 3 + i % 3, 4][: 2 + i % 3] for i in range(12)]
-    batch = new_batch(1, list(range(12)), prompts, n=2, seed=11)
+    batch = new_batch(1, list(range(12)), prompts, n=2, seed=11, max_num_seqs=16)
+    units = batch.units
     long = dataclasses.replace(sampling, max_tokens=budget)
     # eight groups (16 samples of up to 240 tokens) run, four wait; interrupted ~10 steps in
     before = sampled_tokens(engine.handle)
-    stream(batch, [engine.handle], long, version=0, epoch=21, max_num_seqs=16)
+    units.stream(batch, [engine.handle], long, version=0, epoch=21)
     assert len(batch.streams.waiting) == 4
     wait_for_tokens(engine.handle, before, 16 * 10)
     engine.interrupt(21)
-    finished = list(take_groups(batch, timeout_s=120))
+    finished = list(units.take_groups(batch, timeout_s=120))
     assert batch.streams is None and not batch.finished and set(finished) <= set(range(8))
-    assert all(s.segments == 0 and not s.response_ids for s in batch.slots[16:]), \
+    assert all(s.segments == 0 and not s.response_ids for s in units.slots[16:]), \
         "a waiting group was generated after the interrupt"
-    cut = [s for s in batch.slots[:16] if s.finish_reason is None]
+    cut = [s for s in units.slots[:16] if s.finish_reason is None]
     assert any(0 < len(s.response_ids) < budget for s in cut), [len(s.response_ids) for s in cut]
-    stream(batch, [engine.handle], long, version=0, epoch=22, max_num_seqs=16)
-    assert sorted([*finished, *take_groups(batch, timeout_s=300)]) == list(range(12)) and batch.finished
-    for slot in batch.slots:
+    units.stream(batch, [engine.handle], long, version=0, epoch=22)
+    assert sorted([*finished, *units.take_groups(batch, timeout_s=300)]) == list(range(12)) and batch.finished
+    for slot in units.slots:
         assert len(slot.response_ids) == budget or slot.finish_reason == "stop"
         scored = engine.prompt_logprobs([slot.prompt_ids + slot.response_ids])[0][len(slot.prompt_ids) - 1:]
         assert torch.allclose(torch.tensor(slot.logprobs), torch.tensor(scored), atol=1e-4)

@@ -15,21 +15,22 @@ import torch
 
 from megarl.rollout.sampling import RolloutSample
 from megarl.rollout_driver.batch_queue import RolloutQueue, StaleRollout
-from megarl.rollout_driver.manager import PendingRollout, Rollout
+from megarl.rollout_driver.inflight import InFlight
+from megarl.rollout_driver.manager import Rollout
 
 
 class RecordingManager:
-    """Answers submit/collect at once, recording (batch, version) of each submission and the
+    """Answers submit/finish at once, recording (batch, version) of each submission and the
     order of events, so the test can compare them with the schedule's rule."""
 
     def __init__(self):
         self.events: list[tuple] = []
 
-    def submit(self, index: int, version: int) -> PendingRollout:
+    def submit(self, index: int, version: int) -> InFlight:
         self.events.append(("submit", index, version))
-        return PendingRollout(index, version, [index], calls=[])
+        return InFlight(index, [index], 1, None, version)
 
-    def collect(self, pending: PendingRollout) -> Rollout:
+    def finish(self, pending: InFlight) -> Rollout:
         self.events.append(("collect", pending.index))
         return Rollout(batch=None, reward_inputs=[], index=pending.index, version=pending.version,
                        prompt_ids=pending.prompt_ids, groups=[])
@@ -161,7 +162,7 @@ def test_a_buffer_in_the_older_format_is_refused_in_one_line(manager, tmp_path):
 
 def test_save_refuses_batches_in_flight(manager, tmp_path):
     queue = RolloutQueue(manager, max_staleness=1, last_step=10)
-    queue.batches[2] = PendingRollout(2, 0, [0], calls=[])
+    queue.batches[2] = InFlight(2, [0], 1, None, 0)
     with pytest.raises(RuntimeError, match="drain"):
         queue.save(tmp_path)
 
@@ -208,14 +209,14 @@ def test_interrupted_batches_and_token_versions_round_trip_exactly(manager, tmp_
     versions, seeds, segment counts; one never started) and a finished batch whose samples span
     versions read back exactly; the interrupted one continues each sample from where it stopped
     (prompt + its tokens, the rest of max_tokens, the next segment's seed)."""
-    from megarl.rollout_driver.partial_samples import PartialRollout, Slot
+    from megarl.rollout_driver.partial_samples import Slot
 
     queue = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
     slots = [Slot([1, 2, 3], 40, [7, 8], [-0.1234567890123, -2.5e-9], [2, 3], 2, None),
              Slot([1, 2, 3], 41, [9], [-1.0000000000001], [3], 1, "stop"),
              Slot([4, 5], 40, [], [], [], 1, None),
              Slot([4, 5], 41, [6, 6, 6], [-3.0, -0.5, -1e-300], [2, 2, 3], 2, "length")]
-    queue.batches[5] = PartialRollout(5, [5, 15], 2, slots)
+    queue.batches[5] = manager.segment_batch(5, [5, 15], 2, slots)
     finished = manager.assemble(4, 2, [4, 14], [[RolloutSample([1], [2, 3], [-0.5, -0.25], "stop")] * 2] * 2)
     finished.token_versions = [[2, 3], [2, 2], [3, 3], [2, 3]]
     queue.batches[4] = finished
@@ -225,12 +226,12 @@ def test_interrupted_batches_and_token_versions_round_trip_exactly(manager, tmp_
     restored = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
     restored.load(tmp_path, queue.state_dict())
     got = restored.batches[5]
-    assert isinstance(got, PartialRollout) and not got.finished and not got.in_flight
+    assert isinstance(got, InFlight) and got.units.kind == "segment" and not got.finished and not got.in_flight
     assert (got.index, got.prompt_ids, got.group_size) == (5, [5, 15], 2)
-    assert got.slots == slots
+    assert got.units.slots == slots
     assert restored.batches[4].token_versions == finished.token_versions
     assert restored.batches[4].version == 2
-    requests = [slot.request(max_tokens=6) for slot in got.slots if slot.finish_reason is None]
+    requests = [slot.request(max_tokens=6) for slot in got.units.slots if slot.finish_reason is None]
     assert [(r.prompt_ids, r.max_tokens, r.seed) for r in requests] == [([1, 2, 3, 7, 8], 4, 40 + 2 * 7919),
                                                                           ([4, 5], 6, 40 + 7919)]
 
@@ -255,17 +256,18 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
     manager = RolloutManager(cfg, [], AutoTokenizer.from_pretrained(str(smollm2)), prompt_dataset(cfg.data),
                              RunReward(cfg.rewards))
     batch = manager.episode_batch(5, [3, 13], group_size=2)
+    units = batch.units
     seed = cfg.seed * 100_003 + 5  # batch 5's sampling seed; episode k of the batch: + 1000 k
-    assert [r.seed for r in batch.requests] == [seed + 1000 * k for k in range(4)]
-    assert [m.content for m in batch.requests[0].item.context[:2]] == ["1 + 1?", "2"]
+    assert [r.seed for r in units.requests] == [seed + 1000 * k for k in range(4)]
+    assert [m.content for m in units.requests[0].item.context[:2]] == ["1 + 1?", "2"]
     done = {1: Trajectory([1, 2], [3, 4, 5], [1, 1, 1], [-0.5, -0.25, -2.5e-9], "done", 1.0, turns=[[3, 4, 5]],
                           info={"answered": 1.0}, turn_rewards=[1.0], versions=[4, 4, 5]),
             2: Trajectory([6], [7], [1], [-1.0000000000001], "length", 0.0, turns=[[7]], turn_rewards=[0.0],
                           versions=[5])}
     for i, episode in done.items():
-        batch.episodes[i], batch.versions[i] = episode, 3 + i
-    batch.homes[0] = batch.homes[3] = (1, "5.0")  # suspended on engine 1
-    batch.interruptions = 3  # episode 1 was cut once, the two suspended ones just now
+        units.episodes[i], units.versions[i] = episode, 3 + i
+    units.homes[0] = units.homes[3] = (1, "5.0")  # suspended on engine 1
+    units.interruptions = 3  # episode 1 was cut once, the two suspended ones just now
     queue = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
     queue.batches[5] = batch
     queue.next_index = 6
@@ -273,9 +275,11 @@ def test_interrupted_episode_batches_round_trip(smollm2, tmp_path):
     restored = RolloutQueue(manager, max_staleness=1, last_step=10, schedule="opportunistic")
     restored.load(tmp_path, queue.state_dict())
     got = restored.batches[5]
+    assert not got.finished and not got.in_flight
+    got = got.units
     assert got.episodes == [None, done[1], done[2], None] and got.versions == [-1, 4, 5, -1]
     assert [t.versions for t in got.episodes[1:3]] == [[4, 4, 5], [5]]
-    assert got.requests == batch.requests and not got.finished and not got.in_flight
+    assert got.requests == units.requests
     assert got.homes == [None] * 4 and got.interruptions == 3  # the step's metric counts cuts before the save
 
 
@@ -295,7 +299,7 @@ def test_groups_scored_as_they_came_in_are_the_batchs_scores_in_prompt_order(man
     equal to scoring the whole batch at once, and the decoded texts the reward terms read."""
     from transformers import AutoTokenizer
 
-    from megarl.rollout_driver.partial_samples import PartialRollout, Slot
+    from megarl.rollout_driver.partial_samples import Slot
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     ids = manager.dataset.next_ids()
@@ -303,13 +307,14 @@ def test_groups_scored_as_they_came_in_are_the_batchs_scores_in_prompt_order(man
     texts = [[f"<answer>{answers[0]}</answer>", "no idea"], ["<answer>-1</answer>", f"<answer>{answers[1]}</answer>"]]
     slots = [Slot([1, 2], 7, tokenizer.encode(text), [-0.5] * len(tokenizer.encode(text)),
                   [0] * len(tokenizer.encode(text)), 1, "stop") for group in texts for text in group]
-    batch = PartialRollout(6, ids, 2, slots)
-    whole = manager.assemble_partial(batch)
-    assert whole.scored is None  # nothing scored ahead: the trainer scores it
+    batch = manager.segment_batch(6, ids, 2, slots)
+    whole = manager.assemble_batch(batch)
+    # no group scored as it came in: the batch is scored whole where it is assembled
+    assert whole.scored[0].tolist() == manager.reward.score(whole.reward_inputs)[0].tolist()
     for g in (1, 0):  # the second group finished first
-        inputs = manager._reward_inputs(ids[g:g + 1], [[s.sample() for s in batch.group(g)]])
+        inputs = manager._reward_inputs(ids[g:g + 1], [[s.sample() for s in batch.units.group(g)]])
         batch.scored_groups[g] = (inputs, manager.reward.score(inputs))
-    streamed = manager.assemble_partial(batch)
+    streamed = manager.assemble_batch(batch)
     assert streamed.reward_inputs == whole.reward_inputs
     scores, parts = manager.score(whole)
     assert streamed.scored[0].tolist() == scores.tolist() and scores.tolist()[0] > scores.tolist()[1]

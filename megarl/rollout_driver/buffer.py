@@ -22,13 +22,13 @@ import torch
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
 from megarl.rollout_driver.batch import Rollout
-from megarl.rollout_driver.partial_episodes import PartialEpisodes
-from megarl.rollout_driver.partial_samples import PartialRollout, Slot
+from megarl.rollout_driver.inflight import InFlight
+from megarl.rollout_driver.partial_samples import Slot
 
 BUFFER_FILE = "rollout_buffer.safetensors"
 FORMAT = "2"  # 1: three entry kinds (finished, interrupted samples, interrupted episodes), no marker
 
-Saved = Rollout | PartialRollout | PartialEpisodes
+Saved = Rollout | InFlight  # finished, or interrupted (segments or episodes)
 
 
 def save_buffer(folder: Path, batches: dict[int, Saved]) -> None:
@@ -58,15 +58,16 @@ def _entry(batch: Saved) -> tuple[dict[str, Any], list[RolloutSample], list[list
     versions (None: every token is the batch's version) and, for episodes, the kept ones."""
     common = {"prompt_ids": list(batch.prompt_ids), "version": None, "seeds": None, "segments": None,
               "versions": None, "interruptions": None}
-    if isinstance(batch, PartialEpisodes):  # the finished episodes; the rest start over
-        kept = [i for i, t in enumerate(batch.episodes) if t is not None]
-        episodes = [batch.episodes[i] for i in kept]
+    units = batch.units if isinstance(batch, InFlight) else None
+    if units is not None and units.kind == "episode":  # the finished episodes; the rest start over
+        kept = [i for i, t in enumerate(units.episodes) if t is not None]
+        episodes = [units.episodes[i] for i in kept]
         return (common | {"unit": "episodes", "group_size": batch.group_size, "kept": kept,
                           "finish_reasons": [t.finish_reason for t in episodes],
-                          "versions": [batch.versions[i] for i in kept], "interruptions": batch.interruptions},
+                          "versions": [units.versions[i] for i in kept], "interruptions": units.interruptions},
                 [t.sample() for t in episodes], [list(t.versions) for t in episodes], episodes)
-    if isinstance(batch, PartialRollout):
-        slots = batch.slots
+    if units is not None and units.kind == "segment":
+        slots = units.slots
         return (common | {"unit": "samples", "group_size": batch.group_size, "kept": list(range(len(slots))),
                           "finish_reasons": [s.finish_reason for s in slots], "seeds": [s.seed for s in slots],
                           "segments": [s.segments for s in slots]},
@@ -111,15 +112,16 @@ def _read(f: Any, entry: dict[str, Any], manager: Any) -> Saved:
     episodes = _read_episodes(f, index, samples, entry["episodes"]) if entry.get("episodes") else None
     if entry["unit"] == "episodes" and entry["version"] is None:  # interrupted episodes: the finished kept
         batch = manager.episode_batch(index, entry["prompt_ids"], entry["group_size"])
-        batch.interruptions = entry["interruptions"]
+        units = batch.units
+        units.interruptions = entry["interruptions"]
         for i, episode, version, tokens in zip(kept, episodes or [], entry["versions"], versions or [], strict=True):
-            batch.episodes[i], batch.versions[i], episode.versions = episode, version, tokens
+            units.episodes[i], units.versions[i], episode.versions = episode, version, tokens
         return batch
     if entry["version"] is None:  # interrupted samples, each as far as it got
         slots = [Slot(s.prompt_ids, seed, s.response_ids, s.logprobs, tokens, segments, s.finish_reason)
                  for s, seed, tokens, segments in zip(samples, entry["seeds"], versions, entry["segments"],
                                                       strict=True)]
-        return PartialRollout(index, entry["prompt_ids"], entry["group_size"], slots)
+        return manager.segment_batch(index, entry["prompt_ids"], entry["group_size"], slots)
     if episodes is not None:
         samples = [t.sample() for t in episodes]
     n = entry["group_size"]

@@ -42,13 +42,14 @@ class GroupStreams:
 
 
 def open_group_streams(engines: list, prompts: list[list[int]], sampling: SamplingConfig,
-                       max_num_seqs: int) -> GroupStreams:
-    """Starts one ``serve_groups`` call per engine with the groups that fill its running batch;
-    returns at once."""
+                       max_num_seqs: int, indices: list[int] | None = None) -> GroupStreams:
+    """Starts one ``serve_groups`` call per engine with the groups that fill its running batch
+    (``indices``: each prompt's index in the batch, by default its position); returns at once."""
     def serve(engine, stream: int):
         return engine.serve_groups.options(num_returns="streaming").remote(stream, sampling)
 
-    return _open(engines, list(enumerate(prompts)), max(1, max_num_seqs // max(1, sampling.n)), serve)
+    groups = list(zip(range(len(prompts)) if indices is None else indices, prompts, strict=True))
+    return _open(engines, groups, max(1, max_num_seqs // max(1, sampling.n)), serve)
 
 
 def open_segment_group_streams(engines: list, groups: list[tuple[int, list[SegmentRequest | None]]],

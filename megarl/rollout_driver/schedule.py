@@ -17,12 +17,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from megarl.rollout_driver.batch import Rollout
-from megarl.rollout_driver.manager import PendingRollout
-from megarl.rollout_driver.partial_episodes import PartialEpisodes
-from megarl.rollout_driver.partial_samples import PartialRollout
+from megarl.rollout_driver.inflight import InFlight
 
-Partial = PartialRollout | PartialEpisodes  # an interruptible batch: single-turn samples or episodes
-Queued = PendingRollout | Partial | Rollout  # a batch in the queue: in flight, interrupted, or finished
+Queued = InFlight | Rollout  # a batch in the queue: in flight (or interrupted), or finished
 
 
 class ExactSchedule:
@@ -36,19 +33,19 @@ class ExactSchedule:
 
     def finish(self, queued: Queued, version: int) -> Rollout:
         """The batch the trainer takes now, as generated (waited for if it is still in flight)."""
-        return self.manager.collect(queued) if isinstance(queued, PendingRollout) else queued
+        return self.manager.finish(queued) if isinstance(queued, InFlight) else queued
 
     def drain(self, batches: dict[int, Queued]) -> None:
         """Waits for every batch in flight, which then waits in the queue finished."""
         for index, queued in batches.items():
-            if isinstance(queued, PendingRollout):
-                batches[index] = self.manager.collect(queued)
+            if isinstance(queued, InFlight):
+                batches[index] = self.manager.finish(queued)
 
     def resume(self, batches: dict[int, Queued], version: int) -> None:
         """Nothing was interrupted: the next batches are submitted against ``version`` as the queue asks."""
 
     def in_flight(self, queued: Queued) -> bool:
-        return isinstance(queued, PendingRollout)
+        return isinstance(queued, InFlight)
 
 
 class OpportunisticSchedule:
@@ -59,17 +56,13 @@ class OpportunisticSchedule:
         self.epoch = 0  # calls submitted since the last interruption
 
     def submit(self, index: int, version: int) -> Queued:
-        return self.manager.submit_partial(index, version=version, epoch=self.epoch)
+        return self.manager.submit(index, version=version, epoch=self.epoch)
 
     def finish(self, queued: Queued, version: int) -> Rollout:
         """Nothing interrupts the batch the trainer takes: what is left of it finishes under ``version``."""
-        if not isinstance(queued, Partial):
+        if not isinstance(queued, InFlight):
             return queued
-        while not queued.finished:
-            if not queued.in_flight:
-                self.manager.continue_partial(queued, version, self.epoch)
-            self.manager.collect_partial(queued)
-        return self.manager.assemble_partial(queued)
+        return self.manager.finish(queued, version, self.epoch)
 
     def drain(self, batches: dict[int, Queued]) -> None:
         """Interrupts the batches in flight and takes in what they got."""
@@ -77,18 +70,18 @@ class OpportunisticSchedule:
             self.manager.interrupt(self.epoch)
             self.epoch += 1  # later calls are not interrupted by this
         for queued in batches.values():
-            if isinstance(queued, Partial):
-                self.manager.collect_partial(queued)
+            if isinstance(queued, InFlight):
+                self.manager.collect(queued)
 
     def resume(self, batches: dict[int, Queued], version: int) -> None:
         """After ``drain`` and a weight sync to ``version``: the interrupted batches' unfinished
         samples generate again."""
         for queued in batches.values():
-            if isinstance(queued, Partial) and not queued.finished and not queued.in_flight:
-                self.manager.continue_partial(queued, version, self.epoch)
+            if isinstance(queued, InFlight) and not queued.finished and not queued.in_flight:
+                self.manager.send(queued, version, self.epoch)
 
     def in_flight(self, queued: Queued) -> bool:
-        return isinstance(queued, Partial) and queued.in_flight
+        return isinstance(queued, InFlight) and queued.in_flight
 
 
 Schedule = ExactSchedule | OpportunisticSchedule

@@ -30,8 +30,8 @@ from megarl.data.prompts import PromptItem
 from megarl.rewards.combined import RunReward
 from megarl.rollout_driver.batch import Rollout
 from megarl.rollout_driver.batch_queue import RolloutQueue
+from megarl.rollout_driver.inflight import InFlight
 from megarl.rollout_driver.manager import RolloutManager
-from megarl.rollout_driver.partial_episodes import PartialEpisodes, forget_engine
 from megarl.rollout_driver.scoring import Scores, Scoring
 from megarl.utils.abort import wait_all
 
@@ -102,8 +102,8 @@ class RolloutService:
     def _forget_suspended(self, index: int, dropped: bool) -> None:
         """The episodes suspended on a failed engine start over from their reset (a replacement holds none)."""
         for queued in list(self.queue.batches.values()):  # a take may change them meanwhile
-            if isinstance(queued, PartialEpisodes):
-                forget_engine(queued, index, dropped)
+            if isinstance(queued, InFlight) and queued.units.kind == "episode":
+                queued.units.forget_engine(index, dropped)
 
     @_fleet_method
     def fleet_counters(self) -> dict[str, int]:
