@@ -221,6 +221,9 @@ def test_what_a_run_does_with_an_engine_fault():
     assert decide(restarts_used=0, max_restarts=0, live_after=3, min_engines=4) == "end"
     # with no engine left to finish the batch in flight the run ends, as it did before (one engine)
     assert decide(restarts_used=0, max_restarts=2, live_after=0, min_engines=1) == "end"
+    # unless it can wait for a replacement started at once (trainer.max_staleness=0), while restarts are left
+    assert decide(restarts_used=0, max_restarts=2, live_after=0, min_engines=1, replace_now=True) == "restart"
+    assert decide(restarts_used=2, max_restarts=2, live_after=0, min_engines=1, replace_now=True) == "end"
     assert [backoff_s(n) for n in (1, 2, 3, 7)] == [1.0, 2.0, 4.0, 30.0]
 
 

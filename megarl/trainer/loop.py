@@ -77,6 +77,7 @@ def train(cfg: RunConfig) -> list[dict]:
                 if critic:
                     with run.phase("critic_update"):
                         metrics |= critic.train(train_value, value_batch(batch, est, values, cfg), algo)[0]
+                restarts.after_update()  # colocated, the memory snapshot is copied while the roles hold the device
                 with run.phase("rollout_wait"):  # the engines finish what they generate ahead (or stop it)
                     rollout.drain()
                 with run.phase("weight_sync"):  # to_sync, sync, after_sync, verify, actor_off

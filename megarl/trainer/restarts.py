@@ -17,9 +17,10 @@ batches it holds, the KL coefficient) comes back with it, as a checkpoint holds 
 the exact schedule the finished run equals one that never failed, each prompt trained once.
 
 Colocated (``rollout.colocate_with``), the new ranks load with vLLM asleep, as after the step's
-``to_training`` hand-over, and the weight sync that follows wakes it in the usual order; the
-memory snapshot is taken with the roles back on the device (``Colocation.roles_on_device``: vLLM
-sleeps for it), since after a step they are off it.
+``to_training`` hand-over, and the weight sync that follows wakes it in the usual order. After a
+step the roles are off the device, so the memory snapshot's copies are taken once the step's
+updates are done (``after_update``), while the roles still hold the device, and become the restore
+point with the rest of the step's state at its end; a step that fails in between drops them.
 
 Only a death restarts: a rank that raises would raise again, and an engine's or the rollout
 service's fault is not the trainer's. Past ``max_restarts`` the run ends as it does without
@@ -78,6 +79,7 @@ class Restarts:
         self.count = 0
         self.report: dict[str, float] = {}  # the last restart's seconds, logged with the next step
         self.point = RestorePoint(run.step, time.monotonic())
+        self._copied: dict[str, list[Any]] | None = None  # this step's copies, taken after its updates
         if self.max_restarts:
             latest = run.checkpoints.latest() if run.step else None
             self.point.checkpoint = latest if latest and self.mode == "none" else None
@@ -93,6 +95,7 @@ class Restarts:
         try:
             yield
         except Exception as error:
+            self._copied = None  # the failed step's copies are no restore point
             if not self.max_restarts:
                 raise
             began = time.monotonic()
@@ -109,6 +112,13 @@ class Restarts:
                 raise RunFailed(f"restarting the roles after a trainer fault at step {failed_step} ({cause}) "
                                 f"failed: {self.run._cause(again)}") from again
             self._record(failed_step, cause, began)
+
+    def after_update(self) -> None:
+        """Colocated, ``snapshot: memory``: the trained roles' copies, taken while the roles are on
+        the device (``after_step`` makes them the restore point)."""
+        run = self.run
+        if self.max_restarts and self.mode == "memory" and run.colocation.active and run.step < run.cfg.trainer.steps:
+            self._copied = self._copies()
 
     def after_step(self) -> None:
         """The state at the end of ``run.step`` becomes the restore point: its checkpoint, if it
@@ -136,19 +146,22 @@ class Restarts:
         state beside the checkpoints, written as a checkpoint writes it (the queue's untrained
         batches, a few KiB of tokens, included)."""
         run = self.run
-        copies = {}
-        if self.mode == "memory":
-            with run.colocation.roles_on_device():  # colocated, the roles are off the device after a step
-                for name, role in run.trained_roles().items():
-                    # each rank's copy stays on its node, owned by the driver: it outlives the rank
-                    copies[name] = role.group.run_kept(snapshot_fns.take, key=name, timeout_s=role.timeout_s)
+        copies, self._copied = self._copied, None
+        if self.mode == "memory" and copies is None:
+            with run.colocation.roles_on_device():  # colocated, at the start they may be off the device
+                copies = self._copies()
         waiting_on_engines(run, run.rollout.drain)  # nothing generating into the queue while it is copied
         state = run.rollout.state_dict() | {"kl_control": run.kl_control.state_dict()}
         with atomic_dir(run.run_dir / TRAINER_STATE, overwrite=True) as folder:
             run.rollout.save(folder)
             (folder / "trainer_state.json").write_text(json.dumps({"step": run.step, **state}, indent=2))
         run.rollout.resume(run.step)
-        self.point = RestorePoint(run.step, time.monotonic(), None, copies)
+        self.point = RestorePoint(run.step, time.monotonic(), None, copies or {})
+
+    def _copies(self) -> dict[str, list[Any]]:
+        # each rank's copy stays on its node, owned by the driver: it outlives the rank
+        return {name: role.group.run_kept(snapshot_fns.take, key=name, timeout_s=role.timeout_s)
+                for name, role in self.run.trained_roles().items()}
 
     # -- the fault ----------------------------------------------------------------------------
 
