@@ -213,7 +213,10 @@ def test_a_straggler_is_asked_again_elsewhere_and_the_late_answer_dropped(smollm
 # ---------------------------------------------------------------- the pieces that need no engine
 
 def test_what_a_run_does_with_an_engine_fault():
-    from megarl.rollout_driver.engine_restarts import backoff_s, decide
+    from megarl.config.loader import load_config
+    from megarl.config.schema import RunConfig
+    from megarl.recipes import DEFAULT
+    from megarl.rollout_driver.engine_restarts import backoff_s, decide, unsupported
 
     assert decide(restarts_used=0, max_restarts=2, live_after=1, min_engines=1) == "restart"
     assert decide(restarts_used=2, max_restarts=2, live_after=1, min_engines=1) == "drop"  # fewer engines
@@ -225,6 +228,10 @@ def test_what_a_run_does_with_an_engine_fault():
     assert decide(restarts_used=0, max_restarts=2, live_after=0, min_engines=1, replace_now=True) == "restart"
     assert decide(restarts_used=2, max_restarts=2, live_after=0, min_engines=1, replace_now=True) == "end"
     assert [backoff_s(n) for n in (1, 2, 3, 7)] == [1.0, 2.0, 4.0, 30.0]
+    # colocated runs ride through a fault; group-streamed ones end, saying why
+    assert unsupported(load_config(RunConfig, DEFAULT, ["rollout.colocate_with=actor"])) is None
+    why = unsupported(load_config(RunConfig, DEFAULT, ["rollout.granularity=group"]))
+    assert why.startswith("rollout.granularity=group streams each group to an engine outside the fleet's re-dispatch")
 
 
 def test_a_stopped_process_counts_as_hung(subprocesses):
