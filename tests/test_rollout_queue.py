@@ -312,7 +312,7 @@ def test_groups_scored_as_they_came_in_are_the_batchs_scores_in_prompt_order(man
     # no group scored as it came in: the batch is scored whole where it is assembled
     assert whole.scored[0].tolist() == manager.reward.score(whole.reward_inputs)[0].tolist()
     for g in (1, 0):  # the second group finished first
-        inputs = manager._reward_inputs(ids[g:g + 1], [[s.sample() for s in batch.units.group(g)]])
+        inputs = manager.scoring.texts(ids[g:g + 1], [[s.sample() for s in batch.units.group(g)]])
         batch.scored_groups[g] = (inputs, manager.reward.score(inputs))
     streamed = manager.assemble_batch(batch)
     assert streamed.reward_inputs == whole.reward_inputs

@@ -31,7 +31,7 @@ from megarl.rollout_driver.batch import Rollout, build_batch
 from megarl.rollout_driver.fleet import EngineFleet
 from megarl.rollout_driver.inflight import InFlight, interrupt
 from megarl.rollout_driver.partial_samples import Segments, Slot
-from megarl.rollout_driver.scoring import Scores, Scoring
+from megarl.rollout_driver.scoring import RewardTexts, Scores, Scoring
 
 # Sampling seeds: one per step, distinct across steps and runs with different seeds.
 _SEED_STRIDE = 100_003
@@ -44,12 +44,13 @@ class RolloutManager:
         self.dataset, self.reward = dataset, reward
         # which engines serve; calls that survive an engine's fault (rollout.max_engine_restarts)
         self.fleet = EngineFleet(engines, cfg.rollout.request_timeout_s)
-        self.scoring = Scoring(cfg, reward)  # every score of a batch comes from it
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._ahead: ThreadPoolExecutor | None = None
         # The Rust tokenizer refuses a call from a second thread while one is in it (the
         # background thread decodes a finished batch while the next batch's prompts are tokenized)
         self._tokenizer_lock = threading.Lock()
+        # every score of a batch comes from it, and every text the reward terms read
+        self.scoring = Scoring(cfg, reward, RewardTexts(tokenizer, dataset, self._tokenizer_lock))
         # What a batch is, decided once: the unit kind (env: episodes; the opportunistic schedule:
         # interruptible segments; else whole samples) and the transport (rollout.granularity: whole
         # calls, or group streams, taken in by a thread per batch in flight, k + 1 at most, that
@@ -105,17 +106,11 @@ class RolloutManager:
             batch.units.submit(batch, self.fleet, sampling, version, epoch)
 
     def _take_groups(self, batch: InFlight) -> None:
-        """A streamed batch's groups taken in as they finish, each scored then (``score_group``)."""
+        """A streamed batch's groups taken in as they finish, each scored then where it can be."""
         for g in batch.units.take_groups(batch, self.cfg.trainer.step_timeout_s):
             batch.arrivals.append(time.monotonic() - batch.submitted_at)
-            self.score_group(batch, g)
-
-    def score_group(self, batch: InFlight, g: int) -> None:
-        """Group ``g`` as it comes in: scored by the reward terms then (while the engines generate
-        the others), unless a reward model's score is needed or the environments scored it."""
-        if self.scoring.ahead and self.cfg.env is None:
-            inputs = self._reward_inputs(batch.prompt_ids[g:g + 1], [batch.units.group_samples(g)])
-            batch.scored_groups[g] = (inputs, self.scoring.group(inputs))
+            if (scored := self.scoring.group(batch.prompt_ids[g], batch.units.group_samples(g))) is not None:
+                batch.scored_groups[g] = scored
 
     def collect(self, batch: InFlight) -> None:
         """Waits for a batch's generation in flight (all of it, or up to an interruption)."""
@@ -148,15 +143,13 @@ class RolloutManager:
         """A finished batch as a ``Rollout``, scored where nothing of the trainer's is needed; its
         version is the one it was submitted against, or (interruptible) its oldest token's."""
         groups, episodes = batch.units.groups()
-        scored = batch.scored_groups if len(batch.scored_groups) == len(groups) else {}  # all, as they came in
         version = batch.version if batch.version is not None else batch.units.oldest_version(batch)
-        rollout = self.assemble(batch.index, version, batch.prompt_ids, groups, episodes, reward_inputs=[
-            x for g in sorted(scored) for x in scored[g][0]] if scored else None)
+        rollout = self.assemble(batch.index, version, batch.prompt_ids, groups, episodes,
+                                reward_inputs=self.scoring.inputs(batch.prompt_ids, groups, batch.scored_groups))
         batch.units.annotate(rollout)
         if batch.arrivals and batch.version is not None:
             rollout.group_arrival_s = (batch.arrivals[0], batch.arrivals[-1])
-        terms = {g: t for g, (_, t) in scored.items() if t is not None}
-        self.scoring.ahead_of_trainer(rollout, terms)  # the groups' scores, in prompt order, then the penalties
+        self.scoring.ahead_of_trainer(rollout, batch.scored_groups)
         return rollout
 
     def episode_batch(self, index: int, prompt_ids: list[int], group_size: int) -> InFlight:
@@ -179,16 +172,8 @@ class RolloutManager:
         the samples' texts when they were decoded already (group by group, as they came in)."""
         batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
         if reward_inputs is None:
-            reward_inputs = self._reward_inputs(prompt_ids, groups)
+            reward_inputs = self.scoring.texts(prompt_ids, groups)
         return Rollout(batch, reward_inputs, index, version, prompt_ids, groups, episodes)
-
-    def _reward_inputs(self, prompt_ids: list[int], groups: list[list[RolloutSample]]) -> list[RewardInput]:
-        """What the reward terms read of each sample: texts, and the item's metadata (the answer)."""
-        items = self.dataset.items
-        with self._tokenizer_lock:
-            return [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[pid].metadata,
-                                response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
-                    for pid, group in zip(prompt_ids, groups, strict=True) for s in group]
 
     def score(self, rollout: Rollout, model_scores: torch.Tensor | None = None) -> Scores:
         return self.scoring.batch(rollout, model_scores)

@@ -1,13 +1,17 @@
-"""Every score of a rollout, in one place: the reward terms on a group as it comes in, a batch's
-scores (the environments', the terms', or a reward model's through the terms), the overlong
-penalty, and each turn's reward for per-turn credit.
+"""Every score of a rollout, in one place: what the reward terms read of a sample, the reward
+terms on a group as it comes in, a batch's scores (the environments', the terms', or a reward
+model's through the terms), the overlong penalty, and each turn's reward for per-turn credit.
 
-The batch's in-flight kinds only say when a group is ready; what it scores, and how the groups'
-scores make a batch's, is decided here, so the rollout service (ahead of the trainer) and the
-driver (a reward model's score, a term that needs the main thread) give the same numbers.
+The in-flight batch (``megarl.rollout_driver.inflight``) only says when a group or a batch is
+ready; whether it is scored then, what it scores, and how the groups' scores make a batch's, is
+decided here, so the rollout service (ahead of the trainer) and the driver (a reward model's
+score, a term that needs the main thread) give the same numbers.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import torch
 
@@ -15,14 +19,33 @@ from megarl.algorithms import overlong_penalty
 from megarl.config.schema import RunConfig
 from megarl.rewards.base import RewardInput
 from megarl.rewards.combined import RunReward
+from megarl.rollout.sampling import RolloutSample
 from megarl.rollout_driver.batch import Rollout, turn_reward_tensor
 
 Scores = tuple[torch.Tensor, dict[str, torch.Tensor]]  # every sample's reward [B], each term's values
+GroupScore = tuple[list[RewardInput], Scores]  # a group scored as it came in: its texts and scores
+
+
+class RewardTexts:
+    """What the reward terms read of each sample: texts, and the item's metadata (the answer)."""
+
+    def __init__(self, tokenizer: Any, dataset: Any, lock: threading.Lock):
+        # the lock: the Rust tokenizer refuses a call from a second thread while one is in it
+        self.tokenizer, self.dataset, self.lock = tokenizer, dataset, lock
+
+    def __call__(self, prompt_ids: list[int], groups: list[list[RolloutSample]]) -> list[RewardInput]:
+        items = self.dataset.items
+        with self.lock:
+            return [RewardInput(prompt=self.tokenizer.decode(s.prompt_ids), metadata=items[pid].metadata,
+                                response=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
+                    for pid, group in zip(prompt_ids, groups, strict=True) for s in group]
 
 
 class Scoring:
-    def __init__(self, cfg: RunConfig, reward: RunReward):
-        self.cfg, self.reward = cfg, reward
+    def __init__(self, cfg: RunConfig, reward: RunReward, texts: RewardTexts | None = None):
+        """``texts``: where samples are decoded (the rollout manager); without it, only batches
+        that carry their reward inputs are scored (the driver's side)."""
+        self.cfg, self.reward, self.texts = cfg, reward, texts
 
     @property
     def needs_model(self) -> bool:
@@ -33,12 +56,22 @@ class Scoring:
         """Whether a batch is scored as it comes in: by the reward terms alone, off the main thread."""
         return not self.reward.needs_model and not self.reward.needs_main_thread
 
-    def group(self, inputs: list[RewardInput]) -> Scores | None:
-        """One group's reward terms as it comes in (None: it waits for the batch's scoring, which
-        needs a reward model or the main thread, or the environments scored it)."""
+    def group(self, prompt_id: int, samples: list[RolloutSample]) -> GroupScore | None:
+        """One group's texts and reward terms as it comes in, while the engines generate the
+        others (None: it waits for the batch's scoring, which needs a reward model or the main
+        thread, or the environments scored it)."""
         if not self.ahead or self.cfg.env is not None:
             return None
-        return self.reward.score(inputs)
+        inputs = self.texts([prompt_id], [samples])
+        return inputs, self.reward.score(inputs)
+
+    def inputs(self, prompt_ids: list[int], groups: list[list[RolloutSample]],
+               scored: dict[int, GroupScore] | None = None) -> list[RewardInput]:
+        """A batch's reward inputs: those of its groups scored as they came in, when every group
+        was, else decoded now."""
+        if scored and len(scored) == len(groups):
+            return [x for g in sorted(scored) for x in scored[g][0]]
+        return self.texts(prompt_ids, groups)
 
     def batch(self, rollout: Rollout, model_scores: torch.Tensor | None = None,
               groups: dict[int, Scores] | None = None) -> Scores:
@@ -62,9 +95,12 @@ class Scoring:
             parts["reward/overlong_penalty"] = penalty
         return scores, parts
 
-    def ahead_of_trainer(self, rollout: Rollout, groups: dict[int, Scores] | None = None) -> None:
-        """Scores a batch where it was assembled, when nothing of the trainer's is needed."""
+    def ahead_of_trainer(self, rollout: Rollout, scored: dict[int, GroupScore] | None = None) -> None:
+        """Scores a batch where it was assembled, when nothing of the trainer's is needed: from
+        its groups' scores (``scored``, every group's) in prompt order, else as a whole."""
         if self.ahead:
+            groups = {g: terms for g, (_, terms) in scored.items()} if scored and len(scored) == len(rollout.groups) \
+                else None
             rollout.scored = self.batch(rollout, groups=groups)
 
     def turn_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor | None:
