@@ -22,7 +22,7 @@ import torch
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
 from megarl.rollout_driver.batch import Rollout
-from megarl.rollout_driver.inflight import InFlight
+from megarl.rollout_driver.inflight import InFlight, Kept
 from megarl.rollout_driver.partial_samples import Slot
 
 BUFFER_FILE = "rollout_buffer.safetensors"
@@ -36,47 +36,32 @@ def save_buffer(folder: Path, batches: dict[int, Saved]) -> None:
 
     tensors, entries = {}, []
     for index, batch in sorted(batches.items()):
-        entry, kept_samples, versions, episodes = _entry(batch)
-        entry["index"] = index
-        if kept_samples:
-            tensors |= _sample_tensors(index, kept_samples)
-            if kept_samples[0].routes is not None:  # R3: the experts each token went to, [tokens, layers, k]
-                tensors[f"{index}.routes"] = torch.cat([s.routes for s in kept_samples])
-        if versions is not None and kept_samples:
-            tensors[f"{index}.token_versions"] = _ints([v for vs in versions for v in vs])
-        if episodes:
-            tensors |= _episode_tensors(index, episodes)
+        kept = batch.units.kept() if isinstance(batch, InFlight) else _finished(batch)
+        entry = {"index": index, "prompt_ids": list(batch.prompt_ids), "unit": kept.unit,
+                 "group_size": batch.group_size if isinstance(batch, InFlight) else len(batch.groups[0]),
+                 "version": None if isinstance(batch, InFlight) else batch.version, "kept": kept.kept,
+                 "finish_reasons": [s.finish_reason for s in kept.samples], "seeds": None, "segments": None,
+                 "versions": None, "interruptions": None} | kept.extra
+        samples = kept.samples
+        if samples:
+            tensors |= _sample_tensors(index, samples)
+            if samples[0].routes is not None:  # R3: the experts each token went to, [tokens, layers, k]
+                tensors[f"{index}.routes"] = torch.cat([s.routes for s in samples])
+        if kept.token_versions is not None and samples:
+            tensors[f"{index}.token_versions"] = _ints([v for vs in kept.token_versions for v in vs])
+        if kept.episodes:
+            tensors |= _episode_tensors(index, kept.episodes)
             entry["episodes"] = [{"finish_reason": t.finish_reason, "info": t.info, "error": t.error}
-                                 for t in episodes]
+                                 for t in kept.episodes]
         entries.append(entry)
     save_file(tensors, str(folder / BUFFER_FILE), metadata={"format": FORMAT, "batches": json.dumps(entries)})
 
 
-def _entry(batch: Saved) -> tuple[dict[str, Any], list[RolloutSample], list[list[int]] | None,
-                                  list[Trajectory] | None]:
-    """A batch of any kind as one entry: the entry's fields, the samples kept, their per-token
-    versions (None: every token is the batch's version) and, for episodes, the kept ones."""
-    common = {"prompt_ids": list(batch.prompt_ids), "version": None, "seeds": None, "segments": None,
-              "versions": None, "interruptions": None}
-    units = batch.units if isinstance(batch, InFlight) else None
-    if units is not None and units.kind == "episode":  # the finished episodes; the rest start over
-        kept = [i for i, t in enumerate(units.episodes) if t is not None]
-        episodes = [units.episodes[i] for i in kept]
-        return (common | {"unit": "episodes", "group_size": batch.group_size, "kept": kept,
-                          "finish_reasons": [t.finish_reason for t in episodes],
-                          "versions": [units.versions[i] for i in kept], "interruptions": units.interruptions},
-                [t.sample() for t in episodes], [list(t.versions) for t in episodes], episodes)
-    if units is not None and units.kind == "segment":
-        slots = units.slots
-        return (common | {"unit": "samples", "group_size": batch.group_size, "kept": list(range(len(slots))),
-                          "finish_reasons": [s.finish_reason for s in slots], "seeds": [s.seed for s in slots],
-                          "segments": [s.segments for s in slots]},
-                [s.sample() for s in slots], [list(s.versions) for s in slots], None)
-    samples = [s for group in batch.groups for s in group]
-    unit = "samples" if batch.episodes is None else "episodes"
-    return (common | {"unit": unit, "version": batch.version, "group_size": len(batch.groups[0]),
-                      "kept": list(range(len(samples))), "finish_reasons": [s.finish_reason for s in samples]},
-            samples, batch.token_versions, batch.episodes)
+def _finished(rollout: Rollout) -> Kept:
+    """A finished batch: every sample, as the trainer will read it back."""
+    samples = [s for group in rollout.groups for s in group]
+    return Kept("samples" if rollout.episodes is None else "episodes", list(range(len(samples))), samples,
+                rollout.token_versions, rollout.episodes)
 
 
 def load_buffer(folder: Path, manager: Any) -> dict[int, Saved]:

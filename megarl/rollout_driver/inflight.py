@@ -73,6 +73,25 @@ class Units(Protocol):
     def annotate(self, rollout: Rollout) -> None:
         """What the unit kind adds to an assembled batch (per-token versions, interruptions)."""
 
+    def kept(self) -> Kept:
+        """What a checkpoint keeps of an interrupted batch."""
+
+
+@dataclass
+class Kept:
+    """What a checkpoint keeps of a batch, any kind, finished or not (``megarl.rollout_driver.buffer``
+    writes it as its one entry format): the samples kept (``kept``: their positions in the batch),
+    their per-token versions (None: every token is the batch's version), the episodes kept, and
+    what the unit kind needs to go on (``extra``: seeds and segment counts, episodes' versions
+    and interruptions)."""
+
+    unit: Literal["samples", "episodes"]
+    kept: list[int]
+    samples: list[RolloutSample]
+    token_versions: list[list[int]] | None = None
+    episodes: list[Trajectory] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
 
 @dataclass
 class Dispatched:

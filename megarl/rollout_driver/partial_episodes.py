@@ -32,7 +32,7 @@ from megarl.rollout.episodes import EpisodeRequest, Trajectory, suspended_name
 from megarl.rollout.remote import submit_episode_requests
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.rollout_driver.group_streams import groups_as_they_finish, open_episode_group_streams
-from megarl.rollout_driver.inflight import LOST, InFlight, dispatch
+from megarl.rollout_driver.inflight import LOST, InFlight, Kept, dispatch
 from megarl.utils.shares import contiguous_shares
 
 Home = tuple[int, str]  # where a suspended episode waits: (engine index, the name it is kept under)
@@ -194,6 +194,13 @@ class Episodes:
         if self.interruptible:
             rollout.token_versions = [list(t.versions) for t in self.episodes]
             rollout.interrupted_episodes, rollout.lost_episodes = self.interruptions, self.lost
+
+    def kept(self) -> Kept:
+        """The finished episodes; the others start over (an environment's state is not checkpointed)."""
+        kept = [i for i, t in enumerate(self.episodes) if t is not None]
+        episodes = [self.episodes[i] for i in kept]
+        return Kept("episodes", kept, [t.sample() for t in episodes], [list(t.versions) for t in episodes], episodes,
+                    extra={"versions": [self.versions[i] for i in kept], "interruptions": self.interruptions})
 
 
 def new_batch(index: int, prompt_ids: list[int], requests: list[EpisodeRequest], n: int, cfg: RunConfig,

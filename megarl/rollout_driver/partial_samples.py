@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from megarl.rollout.sampling import SEGMENT_SEED_STRIDE, RolloutSample, SamplingConfig, SegmentRequest
 from megarl.rollout_driver.group_streams import groups_as_they_finish, open_segment_group_streams
-from megarl.rollout_driver.inflight import LOST, InFlight, dispatch
+from megarl.rollout_driver.inflight import LOST, InFlight, Kept, dispatch
 from megarl.utils.shares import contiguous_shares
 
 
@@ -148,6 +148,12 @@ class Segments:
 
     def annotate(self, rollout: Any) -> None:
         rollout.token_versions = self.token_versions()
+
+    def kept(self) -> Kept:
+        """Every sample as far as it got, its seed and segment count: it continues where it stopped."""
+        slots = self.slots
+        return Kept("samples", list(range(len(slots))), [s.sample() for s in slots], self.token_versions(),
+                    extra={"seeds": [s.seed for s in slots], "segments": [s.segments for s in slots]})
 
 
 def new_batch(index: int, prompt_ids: list[int], prompts: list[list[int]], n: int, seed: int | None,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.rollout_driver.group_streams import groups_as_they_finish, open_group_streams
-from megarl.rollout_driver.inflight import InFlight, dispatch
+from megarl.rollout_driver.inflight import InFlight, Kept, dispatch
 from megarl.utils.shares import contiguous_shares
 
 
@@ -71,6 +71,10 @@ class Samples:
 
     def annotate(self, rollout: Any) -> None:
         """Every token is the batch's version: nothing to add."""
+
+    def kept(self) -> Kept:
+        raise RuntimeError("a batch of whole samples is not checkpointed in flight: the exact schedule's drain "
+                           "waits for it")
 
 
 def new_batch(index: int, prompt_ids: list[int], prompts: list[list[int]], n: int, version: int,
