@@ -51,12 +51,12 @@ def _remote_calls(path: Path) -> set[str]:
 
 
 def test_the_call_forms_are_all_seen():
-    tree = "e.generate.remote(1)\ne.serve_groups.options(num_returns='streaming').remote(2)\n" \
+    tree = "e.generate.remote(1)\ne.serve.options(num_returns='streaming').remote(2)\n" \
            "ray.remote(C).options(num_cpus=0).remote()\n_actor_class(c).options().remote()\n"
     path = Path(__file__).with_name("_seam_probe.py")
     try:
         path.write_text(tree)
-        assert _remote_calls(path) == {"generate", "serve_groups"}
+        assert _remote_calls(path) == {"generate", "serve"}
     finally:
         path.unlink()
 
@@ -69,8 +69,8 @@ def test_every_method_called_on_an_engine_is_declared():
                if name not in declared and name not in RANK_ACTOR_METHODS}
     assert not missing, f"called on engine handles but declared in no rollout protocol: {missing}"
     # the seam is not vacuous: the run's own calls go through it, streaming calls included
-    assert {"generate", "sleep", "wake_up_weights", "receive_weights", "health", "serve_segment_groups",
-            "serve_groups", "interrupt", "continue_episodes"} <= set(used)
+    assert {"generate", "sleep", "wake_up_weights", "receive_weights", "health", "serve", "add_groups",
+            "interrupt", "continue_episodes"} <= set(used)
 
 
 def test_the_core_is_what_every_backend_implements():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol, get_args
 
+from megarl.rollout.requests import StreamCall
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 
 
@@ -137,29 +138,22 @@ class EpisodeSuspension(Protocol):
 
 
 class GroupStreaming(Protocol):
-    """rollout.granularity: group: prompts fed to a streaming call, each prompt's group back as
-    soon as it finishes (called with ``.options(num_returns="streaming")``)."""
+    """rollout.granularity: group: groups of requests (``megarl.rollout.requests``) fed to one
+    streaming call, each group back as soon as it finishes (called with
+    ``.options(num_returns="streaming")``)."""
 
-    def add_groups(self, stream: int, prompts: list[tuple[int, list[int]]]) -> None:
-        """More prompts (index in the batch, token ids) for ``serve_groups`` call ``stream``, in
-        either order with that call; an empty list closes it. Answers while generation blocks."""
+    def add_groups(self, stream: int, prompts: list[tuple[int, Any]]) -> None:
+        """More groups (index in the batch, a ``PromptRequest``, or a ``SegmentRequest`` /
+        ``EpisodeRequest`` or None per member) for ``serve`` call ``stream``, in either order with
+        that call; an empty list closes it. Answers while generation blocks."""
 
-    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Any:
-        """Every prompt ``add_groups`` sends, each prompt's ``sampling.n`` samples yielded as
-        ``(index, samples)`` when they finish."""
-
-    def serve_segment_groups(self, stream: int, sampling: SamplingConfig, epoch: int) -> Any:
-        """``serve_groups`` for the opportunistic schedule: ``add_groups`` sends (index, a list of
-        ``SegmentRequest``, one per sample); ``interrupt`` of ``epoch`` ends the call, the open groups
-        coming back at once with their samples "interrupted"."""
-
-    def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: Any, rewards: list[Any],
-                             limits: Any, epoch: int | None = None, suspend: bool = False) -> Any:
-        """``serve_groups`` for multi-turn episodes: ``add_groups`` sends (index, an
-        ``EpisodeRequest`` or None per episode of the group); each group yielded as ``(index, a
-        Trajectory or None per episode)``. With ``epoch``, ``interrupt`` of it ends the call, the
-        open groups coming back at once, their unfinished episodes dropped or (``suspend``) kept
-        for ``continue_episodes``."""
+    def serve(self, stream: int, call: StreamCall) -> Any:
+        """Every group ``add_groups`` sends, of ``call.kind``'s requests, yielded as ``(index, its
+        samples, segments or trajectories)`` when it finishes: a prompt's ``sampling.n`` samples; a
+        group's segments (None for a member not asked); a group's episodes (None for one not asked,
+        or cut). With ``call.epoch``, ``interrupt`` of it ends the call, the open groups coming back
+        at once, their samples "interrupted", their unfinished episodes None (dropped, or with
+        ``call.episodes.suspend`` kept for ``continue_episodes``)."""
 
 
 class RouteCapture(Protocol):

@@ -1,11 +1,11 @@
 """``rollout.granularity: group`` on the engine: groups handed in while a call streams groups out.
 
 ``add_groups`` answers from the engine actor's intake thread (a Ray concurrency group of its own)
-while ``serve_groups`` or ``serve_episode_groups`` holds the main thread, driving vLLM's step
-loop: prompts that arrive join the running batch at the next step, and each group goes back
-(a Ray streaming generator) as soon as its last sample or episode finishes
-(``megarl.rollout_driver.group_streams`` is the caller's side). A mixin of ``VLLMEngine``, whose state
-and helpers it uses.
+while ``serve`` holds the main thread, driving vLLM's step loop: requests that arrive join the
+running batch at the next step, and each group goes back (a Ray streaming generator) as soon as
+its last sample or episode finishes (``megarl.rollout_driver.group_streams`` is the caller's
+side). ``serve`` is the one streaming call, for every request kind (``megarl.rollout.requests``):
+prompts, continued segments, episodes. A mixin of ``VLLMEngine``, whose state and helpers it uses.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from megarl.config.schema import EnvConfig, RewardTermConfig
 from megarl.rollout.episodes import EpisodeLimits, Trajectory, suspended_name
+from megarl.rollout.requests import PromptRequest, StreamCall
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.rollout.vllm_routes import routes_of_samples
 
@@ -37,15 +38,29 @@ class GroupServing:
     """The streaming calls of ``VLLMEngine`` (its ``_intakes`` and ``_intake_lock`` are set there)."""
 
     @_intake_method
-    def add_groups(self, stream: int, prompts: list[tuple[int, list]]) -> None:
-        """More groups, as (index in the batch, the prompt's token ids or the group's
-        ``EpisodeRequest``s), for streaming call ``stream`` (running, or about to start: the calls
-        may arrive in either order); an empty list says no more will come. Answers at once, while
-        the streaming call holds the engine's main thread."""
+    def add_groups(self, stream: int, prompts: list[tuple[int, Any]]) -> None:
+        """More groups, as (index in the batch, the group's requests: a ``PromptRequest``, or a
+        ``SegmentRequest`` / ``EpisodeRequest`` or None per member), for streaming call ``stream``
+        (running, or about to start: the calls may arrive in either order); an empty list says no
+        more will come. Answers at once, while the streaming call holds the engine's main thread."""
         if (intake := self._intake(stream)) is not None:  # None: an interrupted stream; the caller resends them
             intake.put(prompts)
 
-    def serve_groups(self, stream: int, sampling: SamplingConfig) -> Iterator[tuple[int, list[RolloutSample]]]:
+    def serve(self, stream: int, call: StreamCall) -> Iterator[tuple[int, list]]:
+        """The one streaming call: serves every group ``add_groups`` sends for ``stream``, each
+        group yielded as ``(index, its samples, segments or trajectories)`` as soon as it finishes
+        (called as a Ray streaming generator), until the groups are closed and all are done, or
+        ``interrupt`` reaches ``call.epoch``. The requests' kind is ``call.kind``."""
+        if call.kind == "prompt":
+            yield from self._serve_prompts(stream, call.sampling)
+        elif call.kind == "segment":
+            yield from self._serve_segments(stream, call.sampling, call.epoch)
+        else:
+            hosting = call.episodes
+            yield from self._serve_episodes(stream, call.sampling, hosting.env, hosting.rewards, hosting.limits,
+                                            call.epoch, hosting.suspend)
+
+    def _serve_prompts(self, stream: int, sampling: SamplingConfig) -> Iterator[tuple[int, list[RolloutSample]]]:
         """``rollout.granularity: group``: generates every prompt that ``add_groups`` sends for
         ``stream`` and returns each prompt's ``sampling.n`` samples as ``(index, samples)`` as soon as
         the last of them finishes (called as a Ray streaming generator), until the prompts are closed
@@ -61,7 +76,8 @@ class GroupServing:
         open_groups: dict[int, list] = {}  # prompt index -> its samples so far
         prompts: dict[int, list[int]] = {}
 
-        def admit(i: int, prompt: list[int]) -> None:
+        def admit(i: int, request: PromptRequest) -> None:
+            prompt = request.prompt_ids
             prompts[i], open_groups[i], request_ids[i] = list(prompt), [None] * n, []
             for j in range(n):
                 self._segment_ids += 1
@@ -82,9 +98,9 @@ class GroupServing:
 
         yield from self._serve(stream, admit, finished, lambda: bool(open_groups), turns.abort)
 
-    def serve_segment_groups(self, stream: int, sampling: SamplingConfig, epoch: int
-                             ) -> Iterator[tuple[int, list[RolloutSample | None]]]:
-        """``rollout.granularity: group`` under ``trainer.schedule: opportunistic``: ``serve_groups``
+    def _serve_segments(self, stream: int, sampling: SamplingConfig, epoch: int
+                        ) -> Iterator[tuple[int, list[RolloutSample | None]]]:
+        """``rollout.granularity: group`` under ``trainer.schedule: opportunistic``: ``_serve_prompts``
         for interruptible samples. ``add_groups`` sends (index, a ``SegmentRequest`` or None per
         sample of the group: None for one finished already); each group comes back as ``(index,
         a segment or None per sample)`` once its last requested sample finishes, and when
@@ -123,10 +139,10 @@ class GroupServing:
 
         yield from self._serve(stream, admit, finished, lambda: bool(open_groups), turns.abort, interrupted)
 
-    def serve_episode_groups(self, stream: int, sampling: SamplingConfig, env: EnvConfig,
-                             rewards: list[RewardTermConfig], limits: EpisodeLimits, epoch: int | None = None,
-                             suspend: bool = False) -> Iterator[tuple[int, list[Trajectory | None]]]:
-        """``rollout.granularity: group`` with multi-turn episodes: ``serve_groups`` for episodes.
+    def _serve_episodes(self, stream: int, sampling: SamplingConfig, env: EnvConfig,
+                        rewards: list[RewardTermConfig], limits: EpisodeLimits, epoch: int | None = None,
+                        suspend: bool = False) -> Iterator[tuple[int, list[Trajectory | None]]]:
+        """``rollout.granularity: group`` with multi-turn episodes: ``_serve_prompts`` for episodes.
         ``add_groups`` sends (index, an ``EpisodeRequest`` or None per episode of the group: None for
         one finished already); each group comes back as ``(index, a trajectory or None per
         episode)`` once its last requested episode finishes, while the episodes of groups sent later

@@ -4,11 +4,11 @@ Each engine first gets as many groups as its running batch holds (``max_num_seqs
 ``n`` to a group); after that a waiting group goes to the engine whose group just finished, the
 first to have room, so an engine that draws short answers takes more of the batch and none waits
 on another's long tail. Every group comes back on its own as soon as its last sample finishes
-(``VLLMEngine.serve_groups``, a Ray streaming generator). The samples do not depend on which
-engine draws them: sample j of every prompt is seeded ``seed + j`` on any engine, as in a whole
-batch's ``generate``. Multi-turn episodes stream the same way, a group's episodes together
-(``VLLMEngine.serve_episode_groups``), and so do the interruptible samples of the opportunistic
-schedule (``VLLMEngine.serve_segment_groups``): an interruption ends the streams early.
+(the engine's one streaming call, ``serve``, a Ray streaming generator, told the requests' kind
+by a ``StreamCall``). The samples do not depend on which engine draws them: sample j of every
+prompt is seeded ``seed + j`` on any engine, as in a whole batch's ``generate``. Multi-turn
+episodes stream the same way, a group's episodes together, and so do the interruptible samples of
+the opportunistic schedule: an interruption ends the streams early.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megarl.config.schema import RunConfig
 from megarl.rollout.episodes import EpisodeRequest
+from megarl.rollout.requests import EpisodeHosting, PromptRequest, StreamCall
 from megarl.rollout.sampling import RolloutSample, SamplingConfig, SegmentRequest
 from megarl.utils.abort import RUN_ABORT
 
@@ -33,7 +34,7 @@ class GroupStreams:
     """One batch in flight, a group at a time: each engine's stream, and the groups not yet handed out."""
 
     engines: list  # Ray handles of the engines that got groups
-    streams: list[int]  # each engine's serve_groups call id
+    streams: list[int]  # each engine's serve call id
     calls: list  # each engine's object ref generator
     # (index in the batch, what the engine's call takes: prompt ids, episode or segment requests)
     waiting: deque = field(default_factory=deque)
@@ -43,13 +44,11 @@ class GroupStreams:
 
 def open_group_streams(engines: list, prompts: list[list[int]], sampling: SamplingConfig,
                        max_num_seqs: int, indices: list[int] | None = None) -> GroupStreams:
-    """Starts one ``serve_groups`` call per engine with the groups that fill its running batch
+    """Starts one ``serve`` call of prompts per engine with the groups that fill its running batch
     (``indices``: each prompt's index in the batch, by default its position); returns at once."""
-    def serve(engine, stream: int):
-        return engine.serve_groups.options(num_returns="streaming").remote(stream, sampling)
-
-    groups = list(zip(range(len(prompts)) if indices is None else indices, prompts, strict=True))
-    return _open(engines, groups, max(1, max_num_seqs // max(1, sampling.n)), serve)
+    groups = [(i, PromptRequest(list(p))) for i, p in
+              zip(range(len(prompts)) if indices is None else indices, prompts, strict=True)]
+    return _open(engines, groups, max(1, max_num_seqs // max(1, sampling.n)), StreamCall("prompt", sampling))
 
 
 def open_segment_group_streams(engines: list, groups: list[tuple[int, list[SegmentRequest | None]]],
@@ -57,12 +56,9 @@ def open_segment_group_streams(engines: list, groups: list[tuple[int, list[Segme
     """The same for interruptible samples (``trainer.schedule: opportunistic``): each group as (its
     index in the batch, a ``SegmentRequest`` or None per sample, None for one finished already);
     ``interrupt`` of ``epoch`` ends every stream, the groups it cut short coming back with what they
-    have (``VLLMEngine.serve_segment_groups``)."""
-    def serve(engine, stream: int):
-        return engine.serve_segment_groups.options(num_returns="streaming").remote(stream, sampling, epoch)
-
+    have."""
     group_size = len(groups[0][1]) if groups else 1
-    return _open(engines, groups, max(1, max_num_seqs // group_size), serve)
+    return _open(engines, groups, max(1, max_num_seqs // group_size), StreamCall("segment", sampling, epoch))
 
 
 def open_episode_group_streams(engines: list, groups: list[tuple[int, list[EpisodeRequest | None]]],
@@ -73,21 +69,16 @@ def open_episode_group_streams(engines: list, groups: list[tuple[int, list[Episo
     the groups its ``env.max_concurrent_episodes`` hold. With ``epoch`` (the opportunistic
     schedule), ``interrupt`` of it ends every stream, the groups it cut short coming back with
     their finished episodes and None for the others, dropped or (``suspend``) kept on that
-    engine (``VLLMEngine.serve_episode_groups``)."""
+    engine."""
     from megarl.rollout.remote import episode_limits
 
     n = max(1, sampling.n)
-    one, limits = replace(sampling, n=1), episode_limits(cfg)
-
-    def serve(engine, stream: int):
-        return engine.serve_episode_groups.options(num_returns="streaming").remote(stream, one, cfg.env, cfg.rewards,
-                                                                                   limits, epoch, suspend)
-
-    return _open(engines, groups, max(1, cfg.env.max_concurrent_episodes // n), serve)
+    call = StreamCall("episode", replace(sampling, n=1), epoch,
+                      EpisodeHosting(cfg.env, cfg.rewards, episode_limits(cfg), suspend))
+    return _open(engines, groups, max(1, cfg.env.max_concurrent_episodes // n), call)
 
 
-def _open(engines: list, groups: list[tuple[int, Any]], per_engine: int, serve: Callable[[Any, int], Any]
-          ) -> GroupStreams:
+def _open(engines: list, groups: list[tuple[int, Any]], per_engine: int, call: StreamCall) -> GroupStreams:
     waiting = deque(groups)
     out = GroupStreams([], [], [], waiting)
     for engine in engines:
@@ -98,7 +89,7 @@ def _open(engines: list, groups: list[tuple[int, Any]], per_engine: int, serve: 
         engine.add_groups.remote(stream, first)
         out.engines.append(engine)
         out.streams.append(stream)
-        out.calls.append(serve(engine, stream))
+        out.calls.append(engine.serve.options(num_returns="streaming").remote(stream, call))
     _close_if_done(out)
     return out
 
