@@ -82,13 +82,23 @@ def _sync_and_verify(actor, engine, tokens, checksums=True, same_device="auto"):
         sync.close()
 
 
-# Every (family, tp, pp, vLLM TP) of {llama, qwen3} x {1, 2}^2 x {1, 2} ran once (all passed); the suite
-# keeps each actor layout against each vLLM TP for llama, where the other cases' code is shared, less
-# tp1 pp1 -> TP 1 (the identity, every other case's pieces), qwen3 at tp 2 (its QK-norms replicated),
-# and gemma3 at tp2 pp2 -> TP 2 (its extra norms replicated, both kinds of attention layer on the last stage).
+# Every (family, tp, pp, vLLM TP) of {llama, qwen3} x {1, 2}^2 x {1, 2} ran once (all passed). The plan
+# intersects each actor shard with each vLLM shard, the same code for every family; the suite keeps
+# one case per way a shard can map:
+#   llama tp1 pp1 -> TP 2: a whole tensor split for the receivers (tp1 pp1 -> TP 1, the identity, is
+#     every other case's pieces);
+#   llama tp2 pp1 -> TP 1: shards gathered into one receiver;
+#   llama tp2 pp1 -> TP 2: shard to shard, as is;
+#   llama tp1 pp2 -> TP 2: two stages' layers, each split for two receivers (tp1 pp2 -> TP 1, each
+#     stage's tensors whole into one receiver, is the identity over this case's stages, left out);
+#   llama tp2 pp2 -> TP 1: both stages, each gathered;
+#   qwen3 tp2 pp2 -> TP 2: shard to shard over two stages, with its QK-norms replicated over tp (qwen3
+#     tp2 pp1 -> TP 2 is the same with one stage, left out);
+#   gemma3 tp2 pp2 -> TP 2: its extra norms replicated, both kinds of attention layer on the last stage
+#     (llama tp2 pp2 -> TP 2 is the same layout as these two, left out).
 @pytest.mark.parametrize("family,tp,pp,rollout_tp", [
-    ("llama", 1, 1, 2), ("llama", 2, 1, 1), ("llama", 2, 1, 2), ("llama", 1, 2, 1), ("llama", 1, 2, 2),
-    ("llama", 2, 2, 1), ("llama", 2, 2, 2), ("qwen3", 2, 1, 2), ("qwen3", 2, 2, 2), ("gemma3_text", 2, 2, 2)])
+    ("llama", 1, 1, 2), ("llama", 2, 1, 1), ("llama", 2, 1, 2), ("llama", 1, 2, 2), ("llama", 2, 2, 1),
+    ("qwen3", 2, 2, 2), ("gemma3_text", 2, 2, 2)])
 def test_sync_after_a_training_step(family, tp, pp, rollout_tp, actor4, engines, rollout_models):
     # (Qwen3's QK-norms are trained too: at tp=2 the actor's replicas must agree for vLLM's one copy to fit.)
     model, prefix = rollout_models[family]
