@@ -217,6 +217,10 @@ def test_an_outside_openai_client_chats_with_the_engines_own_tokens_and_waits_ac
         assert max(abs(a - b) for a, b in zip(got, own.logprobs, strict=True)) < 1e-5
         (turn,) = http.get(f"{url}/v1/sessions/{sid}").json()["turns"]
         assert turn["token_ids"] == own.response_ids and turn["weight_version"] == 0
+        # a stock client naming no session (an evaluation harness): a session of one request
+        once = client.chat.completions.create(model="m", messages=messages, seed=5).model_extra["megarl"]
+        assert once["token_ids"] == own.response_ids and once["session"].startswith("once-")
+        assert http.get(f"{url}/v1/sessions/{once['session']}").status_code == 410
 
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -224,8 +224,15 @@ def start_outside_endpoint(cfg: Any, engines: list, model_path: str, version: in
     actor = ray.remote(OutsideServer).options(num_cpus=0, scheduling_strategy=here, max_concurrency=1000).remote(
         model_path, os.path.basename(str(model_path).rstrip("/")), env.tool_parser if env is not None else "hermes",
         limits, sampling, stop_ids)
-    timeout_s = cfg.trainer.collective_timeout_s
-    url = ray.get(actor.start.remote(bound.host, bound.port, bound.token, list(engines), version, paused),
-                  timeout=timeout_s)
+    # as long as an engine may take to start: a loaded machine starts a Ray worker and imports
+    # transformers slowly; a pause waits for the endpoint's engine calls, queued behind the run's
+    timeout_s = cfg.trainer.step_timeout_s
+    try:
+        url = ray.get(actor.start.remote(bound.host, bound.port, bound.token, list(engines), version, paused),
+                      timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(actor)
+        raise RuntimeError(f"the rollout endpoint for outside callers did not start within {timeout_s:.0f} s "
+                           "(trainer.step_timeout_s)") from None
     print(f"rollout endpoint for outside callers: {url}/v1 (POST {url}/v1/sessions opens a session)", flush=True)
     return OutsideEndpoint(actor, url, timeout_s)

@@ -5,7 +5,8 @@ A request names its session (``X-Megarl-Session`` header, or the ``megarl_sessio
 field). The run's agents get sessions opened for them; with ``outside`` limits (the endpoint
 bound for callers outside the run, ``megarl.rollout.endpoint.bound``) a caller opens its own:
 ``POST /v1/sessions`` answers its id, ``GET /v1/sessions/{id}`` its recorded turns (token ids,
-log-probs, weight version, finish reason), ``DELETE /v1/sessions/{id}`` ends it and answers them.
+log-probs, weight version, finish reason), ``DELETE /v1/sessions/{id}`` ends it and answers them;
+a request naming no session there is a session of its own, ended with its answer.
 A request's its prompt ids are built (``prompts``), checked against the session (``Session.admit``),
 generated (``EngineLink.generate``), recorded (``Session.record``) and answered. Any refusal is
 an OpenAI error body with its status: 400 malformed or over a limit, 404 an unknown session,
@@ -18,11 +19,12 @@ A client that disconnects cancels its handler: its turn is aborted and not recor
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from megarl.rollout.endpoint.prompts import PromptBuilder
@@ -109,6 +111,21 @@ class Endpoint:
                            code="megarl_session_ended")
         return spec, turn, session.record(prompt_ids, turn)
 
+    @contextlib.contextmanager
+    def _session(self, sid: Any) -> Iterator[Session]:
+        """The request's session. For an outside caller that names none (a stock client, an
+        evaluation harness), a session of this one request, ended once it is answered: its record
+        is the answer's ``megarl`` field."""
+        if sid is not None or self.outside is None:
+            yield self.book.get(sid)
+            return
+        limits, sampling = self.outside
+        session = self.book.open(f"once-{uuid.uuid4().hex}", limits, sampling)
+        try:
+            yield session
+        finally:
+            self.book.close(session.id)
+
     def _extra(self, session: Session, turn: SampledTurn, split: bool, prompt_ids: list[int]) -> dict[str, Any]:
         return {"session": session.id, "turn": len(session.turns) - 1, "weight_version": turn.version,
                 "split": split, "prompt_token_ids": prompt_ids, "token_ids": turn.token_ids}
@@ -118,10 +135,10 @@ class Endpoint:
 
         body, sid = await self._body(request)
         parsed = parse_chat(body)
-        session = self.book.get(sid)
-        prompt_ids = self.prompts.chat_prompt(session, parsed)
-        spec, turn, split = await self._turn(session, prompt_ids, parsed.params)
-        message, finish = self.prompts.chat_reply(session, parsed, turn, spec.stop)
+        with self._session(sid) as session:
+            prompt_ids = self.prompts.chat_prompt(session, parsed)
+            spec, turn, split = await self._turn(session, prompt_ids, parsed.params)
+            message, finish = self.prompts.chat_reply(session, parsed, turn, spec.stop)
         logprobs = self.prompts.logprobs_content(turn, spec.top_logprobs) if parsed.params.logprobs else None
         return web.json_response(chat_response(self.model_name, message, finish, len(prompt_ids), len(turn.token_ids),
                                                logprobs, self._extra(session, turn, split, prompt_ids)))
@@ -131,11 +148,11 @@ class Endpoint:
 
         body, sid = await self._body(request)
         parsed = parse_completion(body)
-        session = self.book.get(sid)
-        prompt_ids = self.prompts.completion_prompt(session, parsed)
-        spec, turn, split = await self._turn(session, prompt_ids, parsed.params)
-        prompt_text = parsed.prompt if isinstance(parsed.prompt, str) else None
-        text, finish = self.prompts.completion_reply(session, prompt_text, turn, spec.stop)
+        with self._session(sid) as session:
+            prompt_ids = self.prompts.completion_prompt(session, parsed)
+            spec, turn, split = await self._turn(session, prompt_ids, parsed.params)
+            prompt_text = parsed.prompt if isinstance(parsed.prompt, str) else None
+            text, finish = self.prompts.completion_reply(session, prompt_text, turn, spec.stop)
         logprobs = self.prompts.logprobs_completion(turn, spec.top_logprobs) if parsed.params.logprobs else None
         return web.json_response(completion_response(self.model_name, text, finish, len(prompt_ids),
                                                      len(turn.token_ids), logprobs,
