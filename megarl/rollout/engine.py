@@ -124,6 +124,12 @@ class EpisodeHost(Protocol):
         """The OpenAI-compatible endpoint's base URL on loopback, that ``env.kind: pkg.mod:fn``
         agents talk to ('' before the first agent episode started it; megarl.rollout.endpoint)."""
 
+    def endpoint_turns(self, turns: list[tuple[list[int], Any]], stop_token_ids: list[int],
+                       version: int) -> list[Any]:
+        """Turns of the endpoint bound for outside callers (prompt ids, ``TurnSpec``), generated
+        together: each a ``SampledTurn`` or why the engine refused it; refused whole where the
+        engine holds another weight version (megarl.rollout.endpoint.bound)."""
+
 
 class EpisodeSuspension(Protocol):
     """env with trainer.schedule: opportunistic and rollout.partial: continue: episodes kept
