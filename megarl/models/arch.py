@@ -16,6 +16,7 @@ use, so the registry is full before anything can look a family up.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -106,11 +107,23 @@ class ModelArch:
 
         The layers' share is the family's ``layer_params`` at tp = ep = 1: the same count the
         planner splits over ranks, so the two cannot drift apart."""
-        family = family_of(self)
-        layers = sum(sum(dense) + sum(expert) for dense, expert in
-                     (family.layer_params_at(self, i, 1, 1) for i in range(self.num_layers)))
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-        return layers + embed + self.hidden_size  # + final norm
+        def count() -> int:
+            family = family_of(self)
+            layers = sum(sum(dense) + sum(expert) for dense, expert in
+                         (family.layer_params_at(self, i, 1, 1) for i in range(self.num_layers)))
+            embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+            return layers + embed + self.hidden_size  # + final norm
+
+        return self.derived("num_parameters", count)
+
+    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per architecture object: the planner's search asks for the same
+        whole-model counts (parameters, MoE layers) tens of thousands of times, and each walks
+        every layer. Kept beside the fields, not in them, so equality and ``to_dict`` ignore it."""
+        cache = self.__dict__.setdefault("_derived", {})  # a frozen dataclass: not through setattr
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
 
     def mismatches(self, other: ModelArch) -> list[str]:
         """Fields that differ between two architectures (dtype excluded), as 'name: a != b'; of the

@@ -30,8 +30,8 @@ The model counts what megarl's megatron-core setup allocates (``megarl.models.gp
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from megarl.models.arch import family_of
@@ -164,12 +164,21 @@ def layer_tensors(arch: ModelArch, tp: int, ep: int, etp: int | None = None) -> 
 def moe_layers(arch: ModelArch) -> int:
     """How many layers hold routed experts (all of a MoE model's, but DeepSeek-V3's first dense ones)."""
     family = family_of(arch)
-    return sum(1 for i in range(arch.num_layers) if family.layer_params_at(arch, i, 1, 1)[1])
+    return arch.derived("moe_layers", lambda: sum(1 for i in range(arch.num_layers)
+                                                  if family.layer_params_at(arch, i, 1, 1)[1]))
 
 
 def stage_tensors(arch: ModelArch, layout: Layout, stage: int, value_head: bool = False,
                   pad_multiple: int = 128) -> tuple[list[int], list[int]]:
-    """Parameter element counts of one rank of ``stage``: (dense, expert)."""
+    """Parameter element counts of one rank of ``stage``: (dense, expert). The same stage's
+    tensors come back for every dp, cp and micro-batch setting a search tries: counted once."""
+    key = ("stage_tensors", layout.tp, layout.pp, layout.ep, layout.expert_tp, layout.first_stage_layers,
+           layout.last_stage_layers, stage, value_head, pad_multiple)
+    return arch.derived(key, lambda: _stage_tensors(arch, layout, stage, value_head, pad_multiple))
+
+
+def _stage_tensors(arch: ModelArch, layout: Layout, stage: int, value_head: bool,
+                   pad_multiple: int) -> tuple[list[int], list[int]]:
     counts = stage_layer_counts(arch.num_layers, layout)
     first = sum(counts[:stage])
     dense, expert = [], []
@@ -189,26 +198,47 @@ def stage_tensors(arch: ModelArch, layout: Layout, stage: int, value_head: bool 
     return dense, expert
 
 
-def grad_buffer_numel(tensors: list[int], dp: int, distributed_optimizer: bool) -> int:
+def grad_buffer_numel(tensors: Sequence[int], dp: int, distributed_optimizer: bool) -> int:
     """Elements of DDP's grad buffer: parameter starts at multiples of 64 and the bucket end at
     a multiple of lcm(dp, 128) under the distributed optimizer (one bucket: no overlap)."""
-    if not tensors:
-        return 0
-    if not distributed_optimizer:
-        return sum(tensors)
-    end = _aligned_end(tuple(tensors))
+    return _grad_buffer(_TensorCounts.of(tensors), dp, distributed_optimizer)
+
+
+def _grad_buffer(counts: _TensorCounts, dp: int, distributed_optimizer: bool) -> int:
+    if not counts.total or not distributed_optimizer:
+        return counts.total
     divisor = math.lcm(dp, 128)
-    return -(-end // divisor) * divisor
+    return -(-counts.aligned_end // divisor) * divisor
 
 
-@functools.lru_cache(maxsize=4096)
-def _aligned_end(tensors: tuple[int, ...]) -> int:
-    """Where the last of ``tensors`` ends, each starting at a multiple of 64. Cached: a plan search
-    asks for the same stages' tensors under thousands of layouts (dp, microbatches, recompute)."""
-    end = 0
-    for n in tensors:
-        end = -(-end // 64) * 64 + n
-    return end
+@dataclass(frozen=True)
+class _TensorCounts:
+    """A list of tensor sizes as DDP's buffer sees it: their sum, and where the last ends with each
+    starting at a multiple of 64. A plan search asks for the same stage's under thousands of
+    layouts (dp, micro-batches, recompute): counted once per stage (``stage_counts``)."""
+
+    total: int
+    aligned_end: int
+
+    @classmethod
+    def of(cls, tensors: Sequence[int]) -> _TensorCounts:
+        end = 0
+        for n in tensors:
+            end = -(-end // 64) * 64 + n
+        return cls(sum(tensors), end)
+
+
+def stage_counts(arch: ModelArch, layout: Layout, stage: int, value_head: bool = False,
+                 pad_multiple: int = 128) -> tuple[_TensorCounts, _TensorCounts]:
+    """``stage_tensors``' (dense, expert) lists, counted."""
+    key = ("stage_counts", layout.tp, layout.pp, layout.ep, layout.expert_tp, layout.first_stage_layers,
+           layout.last_stage_layers, stage, value_head, pad_multiple)
+
+    def count() -> tuple[_TensorCounts, _TensorCounts]:
+        dense, expert = stage_tensors(arch, layout, stage, value_head, pad_multiple)
+        return _TensorCounts.of(dense), _TensorCounts.of(expert)
+
+    return arch.derived(key, count)
 
 
 def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload) -> float:
@@ -315,23 +345,24 @@ class RankMemory:
 def trained_rank(arch: ModelArch, layout: Layout, work: Workload, stage: int, microbatches: int = 1,
                  value_head: bool = False, pad_multiple: int = 128) -> RankMemory:
     """A trained role's memory on one rank of pipeline ``stage`` (any tp/dp rank: they match)."""
-    base_dense, base_expert = stage_tensors(arch, layout, stage, value_head, pad_multiple)
-    dense, expert, frozen = base_dense, base_expert, 0.0
+    dense, expert = base_dense, base_expert = stage_counts(arch, layout, stage, value_head, pad_multiple)
+    frozen = 0.0
     if work.lora_rank:  # only the adapters train: the base is plain frozen weights, outside DDP
         layers = stage_layer_counts(arch.num_layers, layout)[stage]
-        dense = layer_adapter_tensors(arch, layout.tp, work.lora_rank, work.lora_targets) * layers
-        expert, frozen = [], (sum(base_dense) + sum(base_expert)) * work.elem
+        frozen = (dense.total + expert.total) * work.elem
+        dense = _TensorCounts.of(layer_adapter_tensors(arch, layout.tp, work.lora_rank, work.lora_targets) * layers)
+        expert = _TensorCounts(0, 0)
     dist = work.distributed_optimizer
-    dense_buf = grad_buffer_numel(dense, layout.dp * layout.cp, dist)
-    expert_buf = grad_buffer_numel(expert, layout.expert_dp, dist)
+    dense_buf = _grad_buffer(dense, layout.dp * layout.cp, dist)
+    expert_buf = _grad_buffer(expert, layout.expert_dp, dist)
     e = work.elem
     # The distributed optimizer keeps the bf16 weights inside DDP's (padded) param buffer.
-    weights = frozen + ((dense_buf + expert_buf) * e if dist and e != 4 else (sum(dense) + sum(expert)) * e)
+    weights = frozen + ((dense_buf + expert_buf) * e if dist and e != 4 else (dense.total + expert.total) * e)
     per_param = 8 + (4 if e != 4 else 0)  # Adam moments + fp32 main params for half precision
     if dist:
         optimizer = per_param * (dense_buf / (layout.dp * layout.cp) + expert_buf / layout.expert_dp)
     else:
-        optimizer = per_param * (sum(dense) + sum(expert))
+        optimizer = per_param * (dense.total + expert.total)
     # CPU offload: megatron-core's hybrid optimizer moves this fraction of the shard's main
     # parameters and moments to the host (and steps them there)
     host = optimizer * work.offload_fraction
@@ -350,7 +381,7 @@ def trained_rank(arch: ModelArch, layout: Layout, work: Workload, stage: int, mi
     logits = logits_transient_bytes(arch, layout, work, pad_multiple) if last and not value_head else 0.0
     # in-flight micro-batches hold their saved tensors; only one unit is recomputed at a time
     activations = act + (act - unit if unit > head else act) * (held - 1)
-    params = sum(base_dense) + sum(base_expert) + (sum(dense) if work.lora_rank else 0)
+    params = base_dense.total + base_expert.total + (dense.total if work.lora_rank else 0)
     return RankMemory(params=params, weights=weights, gradients=(dense_buf + expert_buf) * 4,
                       optimizer=optimizer, activations_per_microbatch=act, activations=activations, logits=logits,
                       optimizer_host=host)
