@@ -60,9 +60,11 @@ def replace_now(run: Run) -> None:
     device.make_room()  # mid-rollout the roles are off the device already
     run.sync = run.fleet.replace_failed(run.sync, joined=device.join)
     device.to_sync()
-    run.sync.sync()
-    wait_all([e.set_weight_version.remote(version) for e in run.engines], run.cfg.trainer.collective_timeout_s,
-             "recording the engines' weight version")
+    # the outside endpoint (rollout.endpoint.port) routes to the replacement only from here on
+    with run.outside.paused(version, run.engines):
+        run.sync.sync()
+        wait_all([e.set_weight_version.remote(version) for e in run.engines], run.cfg.trainer.collective_timeout_s,
+                 "recording the engines' weight version")
     device.after_sync()
     checked = run.verify_sync(None, every=True)
     device.actor_off()
