@@ -502,3 +502,18 @@ def cli_train_run(cli: Cli, overrides: list[str], env: dict[str, str] | None = N
 def read_metrics(run_dir: Path) -> list[dict]:
     """A run's metrics.jsonl, one dict per step."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def continue_at_version_1(engine, keep: str, sampling, epoch: int) -> list:
+    """The suspended episodes ``keep`` of ``engine`` continued as after a weight sync to version 1
+    (the engine told so, then put back at 0 for the tests that share it)."""
+    import dataclasses
+
+    import ray
+
+    ray.get(engine.set_weight_version.remote(1), timeout=60)
+    try:
+        return ray.get(engine.continue_episodes.remote(keep, dataclasses.replace(sampling, n=1, weight_version=1),
+                                                       epoch), timeout=300)
+    finally:
+        ray.get(engine.set_weight_version.remote(0), timeout=60)

@@ -6,10 +6,9 @@ history splits and is counted; the endpoint refuses malformed requests and unkno
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from conftest import continue_at_version_1
 
 from megarl.config.schema import EnvConfig, RunConfig
 from megarl.envs.base import EpisodeItem
@@ -280,12 +279,7 @@ def test_agent_episodes_suspended_across_a_sync_go_on_under_the_new_weights(engi
     first = ray.get(call, timeout=300)
     waiting = [i for i, t in enumerate(first) if t is None]
     assert waiting and all(set(t.versions) == {0} for t in first if t is not None)
-    ray.get(engine.set_weight_version.remote(1), timeout=60)  # as a weight sync leaves it
-    try:
-        rest = ray.get(engine.continue_episodes.remote("agents", replace(sampling, n=1, weight_version=1), 32),
-                       timeout=300)
-    finally:
-        ray.get(engine.set_weight_version.remote(0), timeout=60)
+    rest = continue_at_version_1(engine, "agents", sampling, 32)
     assert len(rest) == len(waiting) and all(t is not None and not t.error for t in rest), rest
     assert any(1 in t.versions for t in rest)
     for t in rest:

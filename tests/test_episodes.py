@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import continue_at_version_1
 from engine_progress import sampled_tokens, wait_for_tokens
 
 from megarl.config.schema import EnvConfig, RewardTermConfig, RunConfig, ToolConfig
@@ -144,12 +145,7 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
         ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), 8), timeout=60)
     out = interrupted(9, keep="b1")
     waiting = [i for i, t in enumerate(out) if t is None]
-    ray.get(engine.set_weight_version.remote(1), timeout=60)  # as a weight sync leaves it
-    try:
-        rest = ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1, weight_version=1), 10),
-                       timeout=300)
-    finally:
-        ray.get(engine.set_weight_version.remote(0), timeout=60)
+    rest = continue_at_version_1(engine, "b1", sampling, 10)
     assert len(rest) == len(waiting) and all(t is not None for t in rest)
     spanning = [t for t in rest if set(t.versions) == {0, 1}]
     assert spanning, [sorted(set(t.versions)) for t in rest]
