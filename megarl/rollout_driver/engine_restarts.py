@@ -37,7 +37,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -108,8 +108,17 @@ class EngineRestarts:
         # with no engine left, a replacement starts at once (while the driver waits on generation)
         self.replaces_now = cfg.trainer.max_staleness == 0
         self._lock = threading.Lock()
+        self._in_sync = False  # a weight sync runs (Run.sync_weights): a fault then ends the run
 
     # -- the watchdog's thread ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """A weight sync into the engines runs for the block. A sync that failed leaves it set: the
+        run names the engine's death as the cause (``Run._cause``) rather than taking it on."""
+        self._in_sync = True
+        yield
+        self._in_sync = False
 
     def on_fault(self, index: int, actor: Any, reason: str) -> bool:
         """Whether the run takes engine ``index``'s fault on (else the watchdog ends the run)."""
@@ -121,6 +130,9 @@ class EngineRestarts:
                 return False
             if self._why_not is not None:
                 print(f"fleet: {reason}; {self._why_not}: the run ends", flush=True)
+                return False
+            if self._in_sync:  # the actor's ranks wait in the sync's collective on the dead engine
+                print(f"fleet: {reason} during the weight sync: the run ends", flush=True)
                 return False
             live_after = len(self.engines) - len(self.failed) - 1
             decision = decide(self.restarts, r.max_engine_restarts, live_after, r.min_engines, self.replaces_now)

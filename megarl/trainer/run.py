@@ -265,7 +265,9 @@ class Run:
             self.colocation.make_room()
             self.sync = self.fleet.replace_failed(self.sync, joined=self.colocation.join)
         self.colocation.to_sync()
-        with self.outside.paused(self.step, self.engines):  # no outside turn sees half-synced weights
+        # no outside turn sees half-synced weights; an engine fault now ends the run
+        in_sync = contextlib.nullcontext() if self.fleet is None else self.fleet.syncing()
+        with self.outside.paused(self.step, self.engines), in_sync:
             report = self.sync.sync()
             wait_all([e.set_weight_version.remote(self.step) for e in self.engines],
                      self.cfg.trainer.collective_timeout_s, "recording the engines' weight version")
