@@ -115,9 +115,13 @@ class EngineRestarts:
     @contextlib.contextmanager
     def syncing(self) -> Iterator[None]:
         """A weight sync into the engines runs for the block. A sync that failed leaves it set: the
-        run names the engine's death as the cause (``Run._cause``) rather than taking it on."""
+        run names the engine's death as the cause (``Run._cause``) rather than taking it on, until
+        ``sync_over`` (a trainer restart in place, whose sync is formed anew)."""
         self._in_sync = True
         yield
+        self.sync_over()
+
+    def sync_over(self) -> None:
         self._in_sync = False
 
     def on_fault(self, index: int, actor: Any, reason: str) -> bool:

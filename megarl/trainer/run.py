@@ -172,6 +172,7 @@ class Run:
                                         self._new_sync, self.run_dir)
         else:  # the roles restarted in place (megarl.trainer.restarts): the fleet's counts go on
             self.fleet.watchdog = self.watchdog
+            self.fleet.sync_over()  # a sync the failure cut short is over
         self.watchdog.engine_fault = self.fleet.on_fault
         self.watchdog.start()
 
