@@ -25,8 +25,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from disk_hygiene import session_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest_plugins = ["disk_hygiene"]  # each module's temporary folders removed after it
 
 VOCAB = 250  # not a multiple of 128: exercises vocab padding
 
@@ -249,7 +252,7 @@ def build_tiny_policy(path: Path, smollm2: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
+    root = session_dir(tmp_path_factory, "hf")
     return {family: build_tiny_hf(family, root / family)
             for family in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text")}
 
@@ -261,7 +264,7 @@ def tiny_reward_model(tmp_path_factory) -> Path:
     torch.manual_seed(1)
     config = tiny_config("llama", num_labels=1, pad_token_id=0)
     model = transformers.LlamaForSequenceClassification(config).float().eval()
-    return _save(model, tmp_path_factory.mktemp("hf") / "llama-reward")
+    return _save(model, session_dir(tmp_path_factory, "hf") / "llama-reward")
 
 
 def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:

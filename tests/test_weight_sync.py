@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import build_tiny_hf, random_tokens
+from disk_hygiene import session_dir
 
 from megarl.config.schema import ParallelConfig
 from megarl.reshard.plan import PlanError
@@ -23,7 +24,7 @@ BUCKET = 256 * 1024  # small enough that every model spans several buckets
 @pytest.fixture(scope="session")
 def rollout_model(tmp_path_factory):
     # vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads, 2 KV heads.
-    return build_tiny_hf("llama", tmp_path_factory.mktemp("rollout") / "llama", hidden_size=128,
+    return build_tiny_hf("llama", session_dir(tmp_path_factory, "rollout") / "llama", hidden_size=128,
                          intermediate_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
@@ -31,9 +32,9 @@ def rollout_model(tmp_path_factory):
 def rollout_models(rollout_model, tmp_path_factory):
     """Each family's tiny model, and the prefix of its engines' names in ``engines``."""
     # Qwen3: QK-norm, and head_dim 32 where hidden 64 / 4 heads = 16 (conftest's tiny Qwen3)
-    qwen3 = build_tiny_hf("qwen3", tmp_path_factory.mktemp("rollout") / "qwen3")
+    qwen3 = build_tiny_hf("qwen3", session_dir(tmp_path_factory, "rollout") / "qwen3")
     # Gemma-3: (1 + w) norms, four per layer, windowed and global layers (conftest's tiny Gemma-3)
-    gemma3 = build_tiny_hf("gemma3_text", tmp_path_factory.mktemp("rollout") / "gemma3")
+    gemma3 = build_tiny_hf("gemma3_text", session_dir(tmp_path_factory, "rollout") / "gemma3")
     return {"llama": (rollout_model, "tiny"), "qwen3": (qwen3, "qwen3"), "gemma3_text": (gemma3, "gemma3")}
 
 
