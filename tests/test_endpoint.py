@@ -62,6 +62,67 @@ def test_a_prompt_that_does_not_extend_the_tokens_splits_the_session_and_is_coun
         assert traj.prompt_ids + traj.response_ids == last.prompt_ids + last.token_ids
 
 
+def _split_episode(sid: str, reward: float):
+    """An episode whose agent rewrote its history once: two parts, each a turn."""
+    s = Session(sid, SessionLimits(max_turns=4, max_episode_tokens=100, max_turn_tokens=10, max_model_len=200))
+    for prompt, reply in (([1, 2, 3], [5, 6, 2]), ([1, 4, 5, 6, 2, 9], [7, 2])):  # the second rewrote the first
+        s.admit(prompt, TurnParams())
+        s.record(prompt, sampled(reply))
+    return s.finish(reward)
+
+
+def test_every_part_of_a_split_episode_trains_as_a_row_with_its_episodes_advantage():
+    import torch
+
+    from megarl.algorithms import get_algorithm
+    from megarl.algorithms.base import ScoredBatch
+    from megarl.config.schema import EnvConfig, RunConfig
+    from megarl.rollout.episodes import episode_metrics
+    from megarl.rollout_driver.batch import Rollout, build_batch
+    from megarl.rollout_driver.scoring import Scoring
+
+    whole = Session("w", SessionLimits())
+    whole.admit([1, 2], TurnParams())
+    whole.record([1, 2], sampled([8, 2]))
+    # one prompt's group of three episodes: two split (rewards 1 and 0.5), one whole (reward 0)
+    episodes = [_split_episode("a", 1.0), _split_episode("b", 0.5), whole.finish(0.0)]
+    batch = build_batch([[t.sample() for t in episodes]], pad_id=0, episodes=episodes, rows_multiple=3)
+    parts = [p for t in episodes for p in t.parts()]
+    assert len(parts) == 5 and batch.size == 6  # a padding row to a multiple of 3 (the ranks split evenly)
+    assert batch.episode_of.tolist() == [0, 0, 1, 1, 2, 2] and batch.group_size == 3
+    assert episode_metrics(episodes)["env/split_parts"] == 2 and episode_metrics(episodes)["env/trained_rows"] == 5
+    for row, part in enumerate(parts):  # each row is its part's tokens exactly: prompt, sampled, log-probs
+        n, p = int(batch.seq_lens[row]), len(part.prompt_ids)
+        assert batch.tokens[row, :n].tolist() == part.prompt_ids + part.response_ids
+        assert batch.mask[row, p - 1:n - 1].tolist() == part.response_mask and batch.mask[row, n - 1:].sum() == 0
+        assert batch.rollout_logprobs[row, p - 1:n - 1].tolist() == pytest.approx(part.logprobs)
+    assert batch.mask[5].sum() == 0  # the padding row trains nothing
+    assert parts[0].prompt_ids + parts[0].response_ids == [1, 2, 3, 5, 6, 2]
+    assert parts[1].prompt_ids + parts[1].response_ids == [1, 4, 5, 6, 2, 9, 7, 2]
+
+    cfg = RunConfig()
+    rollout = Rollout(batch, [], 0, 0, [0], [[t.sample() for t in episodes]], episodes)
+    scores, _ = Scoring(cfg, None).batch(rollout)
+    assert scores.tolist() == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0]  # each row its episode's reward
+    # by hand, over the group's three episodes (not its five rows): GRPO, mean 0.5 and unbiased std 0.5;
+    # RLOO, each score minus the mean of the other two
+    by_hand = {"grpo": [(r - 0.5) / (0.5 + 1e-6) for r in (1.0, 0.5, 0.0)], "rloo": [1.0 - 0.25, 0.0, 0.0 - 0.75]}
+    for name, expected in by_hand.items():
+        scored = ScoredBatch(scores, batch.mask, batch.group_size, episode_of=batch.episode_of)
+        est = get_algorithm(name).estimate(cfg.algorithm, scored)
+        for row in range(batch.size):
+            got = est.advantages[row][batch.mask[row].bool()]
+            assert torch.allclose(got, torch.full_like(got, expected[int(batch.episode_of[row])]), atol=1e-6), name
+        assert est.advantages[5].abs().sum() == 0
+    # per-turn credit: each row's turn rewards sum to its episode's reward, on its own last policy token
+    turns = Scoring(RunConfig(env=EnvConfig(credit="turn")), None).turn_rewards(rollout, scores)
+    assert turns.sum(dim=1).tolist() == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0]  # the padding row: none
+    assert turns[0, int(batch.seq_lens[0]) - 2] == 1.0 and turns[1, int(batch.seq_lens[1]) - 2] == 1.0
+    # an episode that did not split trains as before: one row, no episode index
+    plain = build_batch([[t.sample() for t in episodes[2:]]], pad_id=0, episodes=episodes[2:], rows_multiple=3)
+    assert plain.size == 1 and plain.episode_of is None
+
+
 def test_limits_end_a_session_with_a_clear_error():
     lim = SessionLimits(max_turns=2, max_episode_tokens=6, max_turn_tokens=4, max_model_len=12)
     s = Session("c", lim)

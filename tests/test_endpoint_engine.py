@@ -102,8 +102,53 @@ def test_a_history_rewriting_agent_splits_each_episode_and_both_parts_are_exact(
         assert first.prompt_ids == _opening_ids(tokenizer, ITEMS[episodes.index(t) // 2])
         assert "A first answer was:" in tokenizer.decode(t.prompt_ids)
         assert first.response_mask == [1] * len(first.response_ids) and first.reward == t.reward
-    assert episode_metrics(episodes)["env/history_splits"] == len(episodes)
+    metrics = episode_metrics(episodes)
+    assert metrics["env/history_splits"] == metrics["env/split_parts"] == len(episodes)
     assert max(_logprob_gap(hf_model, t) for t in [episodes[0], episodes[0].segments[0]]) < 1e-3
+    _both_parts_train(episodes, hf_model)
+
+
+def _both_parts_train(episodes, hf_model) -> None:
+    """The trainer's batch of these episodes: a row per part (rows = parts), each exactly the
+    part's tokens and recorded log-probs, and GRPO's advantage of its episode (by hand) on every row."""
+    from megarl.algorithms import get_algorithm
+    from megarl.algorithms.base import ScoredBatch
+    from megarl.rollout.episodes import episode_metrics
+    from megarl.rollout_driver.batch import Rollout, build_batch
+    from megarl.rollout_driver.scoring import Scoring
+
+    groups = [[t.sample() for t in episodes[i:i + 2]] for i in range(0, len(episodes), 2)]
+    batch = build_batch(groups, pad_id=2, pad_to_multiple=8, episodes=episodes)
+    parts = [p for t in episodes for p in t.parts()]
+    assert batch.size == len(parts) == episode_metrics(episodes)["env/trained_rows"] == 2 * len(episodes)
+    assert batch.episode_of.tolist() == [i for i in range(len(episodes)) for _ in range(2)]
+    for row, part in enumerate(parts):
+        n, p = int(batch.seq_lens[row]), len(part.prompt_ids)
+        assert batch.tokens[row, :n].tolist() == part.prompt_ids + part.turns[0]  # one turn per part
+        assert batch.mask[row, p - 1:n - 1].tolist() == [1.0] * len(part.turns[0]) and batch.mask[row].sum() == n - p
+        assert batch.rollout_logprobs[row, p - 1:n - 1].tolist() == pytest.approx(part.logprobs, abs=0)
+    # transformers on the batch's first episode's two rows: what trains is what the engine sampled, as it scored it
+    with torch.no_grad():
+        for row in (0, 1):
+            n = int(batch.seq_lens[row])
+            logp = torch.log_softmax(hf_model(batch.tokens[row:row + 1, :n]).logits[0].float(), -1)
+            got = logp.gather(-1, batch.tokens[row, 1:n].unsqueeze(-1)).squeeze(-1)
+            mask = batch.mask[row, :n - 1].bool()
+            assert (got[mask] - batch.rollout_logprobs[row, :n - 1][mask]).abs().max() < 1e-3
+
+    scores, _ = Scoring(RunConfig(), None).batch(Rollout(batch, [], 0, 0, [0, 1, 2], groups, episodes))
+    assert scores.tolist() == [t.reward for t in episodes for _ in range(2)]
+    made_up = batch.episode_of.float()  # distinct per episode, so every group's advantages are nonzero
+    for rewards in (scores, made_up):
+        est = get_algorithm("grpo").estimate(RunConfig().algorithm,
+                                             ScoredBatch(rewards, batch.mask, 2, episode_of=batch.episode_of))
+        for row in range(batch.size):
+            e = int(batch.episode_of[row])
+            mine, other = float(rewards[2 * e]), float(rewards[2 * (e ^ 1)])  # e ^ 1: its group's other episode
+            # two episodes: mean (a + b) / 2, unbiased std |a - b| / sqrt(2)
+            hand = 0.0 if mine == other else (mine - other) / 2 / (abs(mine - other) / 2 ** 0.5 + 1e-6)
+            got = est.advantages[row][batch.mask[row].bool()]
+            assert torch.allclose(got, torch.full_like(got, hand), atol=1e-6), (row, hand)
 
 
 def test_the_engines_endpoint_refuses_malformed_requests_and_unknown_sessions(engine, two_turns):

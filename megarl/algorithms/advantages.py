@@ -215,6 +215,14 @@ def turn_advantages(
     return _zeros_like_masked(seq_adv[:, None] + (to_go - s[:, None]) / scale, mask)
 
 
+def per_episode(values: torch.Tensor, episode_of: torch.Tensor) -> torch.Tensor:
+    """``[E]``: the value of each episode's first row, for per-row values ``[B]`` an episode's rows
+    share (its score), ``episode_of[b]`` the episode of row b (every episode has a row)."""
+    rows = torch.arange(values.shape[0], device=values.device)
+    first = torch.full((int(episode_of.max()) + 1,), values.shape[0], device=values.device)
+    return values[first.scatter_reduce(0, episode_of, rows, "amin")]
+
+
 def broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence values ``[B]`` copied onto every valid token: ``[B, T]``, 0 on masked tokens."""
     out = seq_adv[:, None].expand(mask.shape)

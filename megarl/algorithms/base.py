@@ -24,7 +24,7 @@ from typing import ClassVar, Literal
 import torch
 
 from megarl.algorithms import losses
-from megarl.algorithms.advantages import broadcast, token_rewards, turn_advantages
+from megarl.algorithms.advantages import broadcast, per_episode, token_rewards, turn_advantages
 from megarl.algorithms.distill import reverse_kl_advantages
 from megarl.algorithms.filters import dynamic_sampling_mask
 from megarl.algorithms.kl import kl_reward_penalty
@@ -76,6 +76,19 @@ class ScoredBatch:
     # any rest of the score (the overlong penalty, say) on the episode's last; rows sum to ``scores``.
     turn_rewards: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None  # the teacher role's (on-policy distillation)
+    # [B] long: each row's episode where an episode trains as several rows (its parts after a
+    # history rewrite); ``scores`` are then per row, equal on an episode's rows, and the groups of
+    # ``group_size`` are of episodes. None: row i is episode i.
+    episode_of: torch.Tensor | None = None
+
+    @property
+    def episode_scores(self) -> torch.Tensor:
+        """``[E]``: the score of each episode, the unit a group estimator compares."""
+        return self.scores if self.episode_of is None else per_episode(self.scores, self.episode_of)
+
+    def to_rows(self, per_episode_values: torch.Tensor) -> torch.Tensor:
+        """``[E]`` -> ``[B]``: every row gets its episode's value (its advantage, whether it is kept)."""
+        return per_episode_values if self.episode_of is None else per_episode_values[self.episode_of]
 
 
 @dataclass
@@ -228,8 +241,8 @@ class Algorithm:
         then :meth:`advantages`, plus the teacher's per-token reverse KL where ``teacher_kl_coef``
         weighs one in (:func:`~megarl.algorithms.distill.reverse_kl_advantages`)."""
         if cfg.dynamic_sampling:
-            keep, _ = dynamic_sampling_mask(batch.scores, batch.group_size)
-            batch = replace(batch, mask=batch.mask * keep.to(batch.mask.dtype).unsqueeze(1))
+            keep, _ = dynamic_sampling_mask(batch.episode_scores, batch.group_size)
+            batch = replace(batch, mask=batch.mask * batch.to_rows(keep).to(batch.mask.dtype).unsqueeze(1))
         est = self.advantages(cfg, batch)
         if not self.needs_teacher(cfg):
             return est

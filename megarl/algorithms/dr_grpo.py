@@ -28,5 +28,5 @@ class DrGRPO(GRPO):
         return errors
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
-        seq = grpo_advantages(batch.scores, batch.group_size, norm_std=False)
+        seq = batch.to_rows(grpo_advantages(batch.episode_scores, batch.group_size, norm_std=False))
         return Estimate(self.spread(seq, batch), batch.mask)

@@ -18,6 +18,8 @@ class GRPO(Algorithm):
     min_group_size = 2
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
-        seq = grpo_advantages(batch.scores, batch.group_size, norm_std=bool(cfg.norm_std))
-        scale = group_std_scale(batch.scores, batch.group_size) if cfg.norm_std else 1.0
+        # over the group's episodes; each row (an episode may train as several) gets its episode's
+        scores = batch.episode_scores
+        seq = batch.to_rows(grpo_advantages(scores, batch.group_size, norm_std=bool(cfg.norm_std)))
+        scale = batch.to_rows(group_std_scale(scores, batch.group_size)) if cfg.norm_std else 1.0
         return Estimate(self.spread(seq, batch, scale), batch.mask)

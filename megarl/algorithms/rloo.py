@@ -16,4 +16,5 @@ class RLOO(Algorithm):
     min_group_size = 2
 
     def advantages(self, cfg: AlgorithmConfig, batch: ScoredBatch) -> Estimate:
-        return Estimate(self.spread(rloo_advantages(batch.scores, batch.group_size), batch), batch.mask)
+        seq = batch.to_rows(rloo_advantages(batch.episode_scores, batch.group_size))  # episodes compared
+        return Estimate(self.spread(seq, batch), batch.mask)

@@ -80,8 +80,13 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)
     # An agent's episode through the rollout endpoint (megarl.rollout.endpoint): the trajectories
     # its splits closed (where a turn's prompt did not extend the tokens before it), in order;
-    # this one is the last. Not trained yet: the trainer takes one trajectory per episode.
+    # this one is the last. Each trains as a row of its own, sharing the episode's reward and
+    # advantage (``parts``; megarl.rollout_driver.batch.episode_rows).
     segments: list[Trajectory] = field(default_factory=list)
+
+    def parts(self) -> list[Trajectory]:
+        """What trains of the episode, a row each, in order: the parts its splits closed, then this one."""
+        return [*self.segments, self]
 
     def sample(self) -> RolloutSample:
         reason = "stop" if self.finish_reason == "done" else "length"
@@ -417,6 +422,9 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
         "env/turns_mean": sum(len(t.turns) for t in trajectories) / n,
         # agents through the endpoint: turns whose prompt rewrote the history (the episode split there)
         "env/history_splits": sum(t.info.get("history_splits", 0.0) for t in trajectories),
+        # what of those splits trains (a row each, beside the episode's last part), and every row
+        "env/split_parts": sum(len(t.segments) for t in trajectories),
+        "env/trained_rows": sum(len(t.parts()) for t in trajectories),
     }
     for reason in ("done", "length", "turns", "env_error"):
         out[f"env/finish_{reason}"] = sum(t.finish_reason == reason for t in trajectories) / n

@@ -9,10 +9,14 @@ only). Samples of one prompt are consecutive (the GRPO group).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from megarl.algorithms.advantages import per_episode
+from megarl.config.roles import TRAINED_ROLES
+from megarl.config.schema import RunConfig
 from megarl.rewards.base import RewardInput
 from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
@@ -33,6 +37,10 @@ class RolloutBatch:
     temperature: float = 1.0
     # R3: [B, L, layers, k] the experts the engine routed each token to (None: not recorded)
     routes: torch.Tensor | None = None
+    # [B] long: the episode of each row, where an episode trains as several rows (an agent that
+    # rewrote its history: ``Trajectory.parts``); the group estimators compare episodes, and every
+    # row of one gets its advantage. None: row i is sample (episode) i.
+    episode_of: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -41,6 +49,10 @@ class RolloutBatch:
     @property
     def response_lens(self) -> torch.Tensor:
         return self.seq_lens - self.prompt_lens
+
+    def per_episode(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row values shared by an episode's rows (its score), one per episode."""
+        return values if self.episode_of is None else per_episode(values, self.episode_of)
 
     def to_workers(self) -> RankBatch:
         """What the ranks' scoring passes read."""
@@ -77,13 +89,46 @@ class Rollout:
     lost_episodes: int | None = None  # episodes cut by an engine's fault and started over elsewhere
 
 
+def rows_multiple(cfg: RunConfig) -> int:
+    """What a batch's row count must be a multiple of for every role to split it over its
+    data-parallel ranks, into minibatches of fixed-size micro-batches: the config check asks it of
+    prompts_per_step x n (megarl.validation.rl_checks); a batch whose episodes split has more rows."""
+    out = 1
+    for name, role in cfg.roles().items():
+        steps = cfg.algorithm.minibatches if name in TRAINED_ROLES else 1
+        trimmed = role.max_tokens_per_microbatch is not None or role.pack_sequences or role.share_prompt
+        out = math.lcm(out, role.parallel.data_parallel_size * steps * (1 if trimmed else role.micro_batch_size))
+    return out
+
+
+def episode_rows(episodes: list[Trajectory], multiple: int = 1) -> tuple[list[Trajectory], list[int]]:
+    """Every part of every episode as a row (``Trajectory.parts``: the parts a history rewrite
+    closed, then the last), and each row's episode. Rows are padded to a multiple of ``multiple``
+    with copies of the last row that train nothing (mask 0, no turns): the ranks split rows evenly."""
+    rows = [part for t in episodes for part in t.parts()]
+    of = [i for i, t in enumerate(episodes) for _ in t.parts()]
+    last, n = rows[-1], len(rows[-1].response_ids)
+    while len(rows) % multiple:
+        rows.append(Trajectory(list(last.prompt_ids), list(last.response_ids), [0] * n, [0.0] * n,
+                               last.finish_reason, last.reward))
+        of.append(of[-1])
+    return rows, of
+
+
 def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple: int = 1,
-                temperature: float = 1.0) -> RolloutBatch:
-    """Pads every prompt+response to one length (a multiple of ``pad_to_multiple``)."""
+                temperature: float = 1.0, episodes: list[Trajectory] | None = None,
+                rows_multiple: int = 1) -> RolloutBatch:
+    """Pads every prompt+response to one length (a multiple of ``pad_to_multiple``). ``episodes``
+    (each sample's): where one split (``Trajectory.segments``), each of its parts is a row of its
+    own (``episode_rows``, padded to ``rows_multiple`` rows) and ``episode_of`` says whose."""
     samples = [s for group in groups for s in group]
     sizes = {len(g) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"every prompt needs the same number of samples, got {sorted(sizes)}")
+    episode_of = None
+    if episodes is not None and any(t.segments for t in episodes):
+        rows, of = episode_rows(episodes, rows_multiple)
+        samples, episode_of = [t.sample() for t in rows], torch.tensor(of)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     width = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
     batch, labels = len(samples), width - 1
@@ -107,7 +152,7 @@ def build_batch(groups: list[list[RolloutSample]], pad_id: int, pad_to_multiple:
         tokens=tokens, seq_lens=torch.tensor(lengths), prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
         mask=mask, rollout_logprobs=rollout_lp, finish_reasons=[s.finish_reason for s in samples],
         group_size=sizes.pop(),
-        temperature=temperature, routes=routes,
+        temperature=temperature, routes=routes, episode_of=episode_of,
     )
 
 

@@ -27,7 +27,7 @@ from megarl.rollout.episodes import EpisodeRequest, Trajectory
 from megarl.rollout.remote import episode_item, episode_requests
 from megarl.rollout.sampling import RolloutSample, SamplingConfig
 from megarl.rollout_driver import partial_episodes, partial_samples, whole_samples
-from megarl.rollout_driver.batch import Rollout, build_batch
+from megarl.rollout_driver.batch import Rollout, build_batch, rows_multiple
 from megarl.rollout_driver.fleet import EngineFleet
 from megarl.rollout_driver.inflight import InFlight, interrupt
 from megarl.rollout_driver.partial_samples import Segments, Slot
@@ -170,7 +170,8 @@ class RolloutManager:
                  episodes: list[Trajectory] | None = None, reward_inputs: list[RewardInput] | None = None) -> Rollout:
         """A batch from the engines' samples (fresh, or read back from a checkpoint); ``reward_inputs``:
         the samples' texts when they were decoded already (group by group, as they came in)."""
-        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature)
+        batch = build_batch(groups, pad_id=self.pad_id, pad_to_multiple=8, temperature=self.cfg.rollout.temperature,
+                            episodes=episodes, rows_multiple=rows_multiple(self.cfg))
         if reward_inputs is None:
             reward_inputs = self.scoring.texts(prompt_ids, groups)
         return Rollout(batch, reward_inputs, index, version, prompt_ids, groups, episodes)

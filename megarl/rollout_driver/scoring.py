@@ -19,8 +19,9 @@ from megarl.algorithms import overlong_penalty
 from megarl.config.schema import RunConfig
 from megarl.rewards.base import RewardInput
 from megarl.rewards.combined import RunReward
+from megarl.rollout.episodes import Trajectory
 from megarl.rollout.sampling import RolloutSample
-from megarl.rollout_driver.batch import Rollout, turn_reward_tensor
+from megarl.rollout_driver.batch import Rollout, episode_rows, turn_reward_tensor
 
 Scores = tuple[torch.Tensor, dict[str, torch.Tensor]]  # every sample's reward [B], each term's values
 GroupScore = tuple[list[RewardInput], Scores]  # a group scored as it came in: its texts and scores
@@ -80,8 +81,10 @@ class Scoring:
         ``groups``: every group's terms by its index in the batch, scored as the groups came in."""
         if rollout.scored is not None and model_scores is None:
             return rollout.scored
+        episode_of = rollout.batch.episode_of  # an episode that trains as several rows: each row its reward
         if rollout.episodes is not None:  # the environments scored their episodes
             scores = torch.tensor([t.reward for t in rollout.episodes], dtype=torch.float32)
+            scores = scores if episode_of is None else scores[episode_of]
             parts = {"reward/env": scores}
         elif groups:
             scores, parts = _in_order(groups)
@@ -91,6 +94,9 @@ class Scoring:
         if algo.overlong_buffer > 0:
             penalty = overlong_penalty(rollout.batch.response_lens, self.cfg.rollout.max_tokens,
                                        algo.overlong_buffer, algo.overlong_penalty)
+            if episode_of is not None:  # an episode's reward is one: its longest part's penalty on every row
+                worst = torch.zeros(int(episode_of.max()) + 1).scatter_reduce(0, episode_of, penalty, "amin")
+                penalty = worst[episode_of]
             scores = scores + penalty
             parts["reward/overlong_penalty"] = penalty
         return scores, parts
@@ -108,9 +114,12 @@ class Scoring:
         None when every policy token of an episode is credited with the whole episode."""
         if rollout.episodes is None or self.cfg.env is None or self.cfg.env.credit != "turn":
             return None
-        episodes = rollout.episodes
-        return turn_reward_tensor([t.turns for t in episodes], [t.observations for t in episodes],
-                                  [t.turn_rewards for t in episodes], rollout.batch, scores)
+        rows = rollout.episodes
+        if rollout.batch.episode_of is not None:  # each part of a split episode a row; padding rows train nothing
+            rows, _ = episode_rows(rows)
+            rows += [Trajectory([], [], [], [], "", 0.0)] * (rollout.batch.size - len(rows))
+        return turn_reward_tensor([t.turns for t in rows], [t.observations for t in rows],
+                                  [t.turn_rewards for t in rows], rollout.batch, scores)
 
 
 def _in_order(groups: dict[int, Scores]) -> Scores:

@@ -66,7 +66,8 @@ def train(cfg: RunConfig) -> list[dict]:
                 with run.phase("advantages"):
                     before = None if old is None else old.logprobs  # the actor's, for KL in the reward
                     turns = rollout.turn_rewards(samples, scores)  # per-turn credit (env.credit: turn), else None
-                    scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns, taught)
+                    scored = ScoredBatch(scores, batch.mask, batch.group_size, before, ref, values, turns, taught,
+                                         episode_of=batch.episode_of)  # an episode's parts: rows sharing it
                     est = algorithm.estimate(algo, scored)
                 metrics = {}
                 if not warming:

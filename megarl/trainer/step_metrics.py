@@ -20,9 +20,10 @@ def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, tor
     mismatch metrics are those of ``algo``'s off-policy correction, as the ranks applied it."""
     mask = batch.mask
     diff = (old.logprobs - batch.rollout_logprobs).abs()
-    groups = scores.view(-1, batch.group_size)
+    rewards = batch.per_episode(scores)  # one per episode where an episode trains as several rows
+    groups = rewards.view(-1, batch.group_size)
     out = {
-        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "response/length_mean": float(batch.response_lens.float().mean()),
         "response/truncated_fraction": sum(r == "length" for r in batch.finish_reasons) / batch.size,
         "entropy/mean": float(masked_mean(old.entropy, mask)),
@@ -33,7 +34,7 @@ def step_metrics(batch: RolloutBatch, scores: torch.Tensor, parts: dict[str, tor
     if ref is not None:  # k1 over the responses the update learnt from
         out["kl/mean"] = float(masked_mean(kl_estimate(old.logprobs, ref, estimator="k1") * est.mask, mask))
     for name, values in parts.items():
-        out[name] = float(values.mean())
+        out[name] = float(batch.per_episode(values).mean())
     correction = off_policy_correction(algo.off_policy_correction, old.logprobs, batch.rollout_logprobs, mask,
                                        cap=algo.is_cap, low=algo.is_low, high=algo.is_high)
     return out | mismatch_metrics(old.logprobs, batch.rollout_logprobs, mask, correction)
