@@ -42,7 +42,8 @@ class RefitArgs:
     repeats: int = 3
     dtype: str = "float32"
     baseline: bool = True
-    delta_lr: float | None = None  # one real optimizer step at this lr, then its bf16 change is measured
+    # real optimizer steps at this lr: what each changed in bf16, then a delta sync of them against a full one
+    delta_lr: float | None = None
 
 
 def _human(n: float) -> str:
@@ -165,21 +166,39 @@ def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
 
 
 def _delta(args: RefitArgs, arch, actor, sync, progress) -> dict[str, Any]:
-    """The bf16 change of each of a few real optimizer steps (``megarl_bench.refit_delta``), then a
-    checked sync of the stepped weights; vLLM's log-probs against the actor's before and after (the
-    gap before is the engine's own numerics at this dtype, the yardstick for the gap after)."""
+    """The bf16 change of each of a few real optimizer steps (``megarl_bench.refit_delta``), then the
+    stepped weights synced twice: changed elements only (``trainer.delta_sync``, against a full sync
+    made before the steps), then whole. vLLM's log-probs after each must be the same bit for bit; the
+    gap to the actor's before the steps is the engine's own numerics at this dtype, the yardstick
+    for the gap after."""
+    import ray
     import torch
 
     from megarl_bench.refit_delta import measure
 
     tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1000))
     before = sync.verify(tokens, tolerance=float("inf"))  # reported, not judged
+    sync.delta = True
+    sync.forget()
+    sync.sync()  # full, keeping what the delta compares against
     progress(f"optimizer steps at lr {args.delta_lr:g}, measuring what each changed in bf16...")
     steps = measure(actor, "actor", arch.vocab_size, args.delta_lr)
-    report = sync.sync(check=True)
-    after = sync.verify(tokens, tolerance=float("inf"), report=report)
-    return {"steps": steps, "checksum_mismatches": len(report.checksum_mismatches),
-            "logprob_gap_before": before.max_abs_logprob_diff, "logprob_gap_after": after.max_abs_logprob_diff}
+    changed = sync.sync(check=True)
+    engine = sync.engines[0]
+    after_delta = ray.get(engine.prompt_logprobs.remote(tokens.tolist()))
+    after = sync.verify(tokens, tolerance=float("inf"), report=changed)
+    sync.delta = False
+    full = sync.sync()  # the same weights whole, as without delta_sync
+    after_full = ray.get(engine.prompt_logprobs.remote(tokens.tolist()))
+    progress(f"delta sync: {changed.changed_fraction:.1%} of the elements changed, "
+             f"{sum(changed.received.values())} bytes against {sum(full.received.values())} whole")
+    return {"steps": steps, "checksum_mismatches": len(changed.checksum_mismatches),
+            "logprob_gap_before": before.max_abs_logprob_diff, "logprob_gap_after": after.max_abs_logprob_diff,
+            "sync_mode": changed.mode, "changed_fraction": changed.changed_fraction,
+            "sent_bytes": sum(changed.received.values()), "full_bytes": sum(full.received.values()),
+            "bytes_ratio": sum(changed.received.values()) / sum(full.received.values()),
+            "seconds": changed.seconds, "full_seconds": full.seconds, "time_ratio": changed.seconds / full.seconds,
+            "same_logprobs_as_full": after_delta == after_full}
 
 
 def _result(args: RefitArgs, arch, plan, reports, raw, baseline) -> dict[str, Any]:
@@ -275,8 +294,14 @@ def format_table(result: dict[str, Any]) -> str:
                          f"elements changed in bf16; a changed-only sync would send "
                          f"{s['positions_values_bytes_ratio']:.2f}x the bf16 shard as positions + values, "
                          f"{s['bitmask_values_bytes_ratio']:.2f}x as bitmask + values")
-        lines.append(f"after syncing the steps: {d['checksum_mismatches']} checksum mismatches, vLLM vs actor "
-                     f"log-prob gap {d['logprob_gap_after']:.3g} (before the steps {d['logprob_gap_before']:.3g})")
+        lines.append(f"delta sync of the {len(d['steps'])} steps ({result['dtype']}): {d['changed_fraction']:.1%} "
+                     f"of the elements changed; sent {_human(d['sent_bytes'])} against {_human(d['full_bytes'])} "
+                     f"whole: bytes_ratio {d['bytes_ratio']:.3f}, time {d['seconds']:.3f} s against "
+                     f"{d['full_seconds']:.3f} s: time_ratio {d['time_ratio']:.2f}")
+        lines.append(f"after the delta sync: {d['checksum_mismatches']} checksum mismatches, vLLM's log-probs "
+                     f"{'the same as' if d['same_logprobs_as_full'] else 'DIFFERENT FROM'} after a full sync, "
+                     f"vLLM vs actor log-prob gap {d['logprob_gap_after']:.3g} "
+                     f"(before the steps {d['logprob_gap_before']:.3g})")
     overruns = result.get("memory_overruns", memory_overruns(result))
     lines += [f"OVER THE MEMORY LIMIT: {line}" for line in overruns] or ["memory: every rank within its limit"]
     return "\n".join(lines)

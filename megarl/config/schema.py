@@ -396,6 +396,11 @@ class TrainerConfig:
     verify_sync: VerifySync = "first"  # check vLLM logprobs against the actor's
     verify_tolerance: float = 1e-3
     bucket_mib: float = 256.0
+    # After the first weight sync, send only the elements that changed (int32 positions or a
+    # bitmask, and their values); costs one more copy of the actor's shards in the engines' dtype
+    # on each actor rank (and, on CPU, one of vLLM's prepacked weights in each engine).
+    # Needs rollout.weights=model. A replaced or restarted engine gets a full sync first.
+    delta_sync: bool = False
     tensorboard: bool = True
     wandb: bool = True  # used only when wandb is installed
     step_timeout_s: float = 1800.0

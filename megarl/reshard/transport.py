@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.platform import current_platform
+from megarl.reshard import delta as changed_only
 from megarl.reshard.plan import dtype_of
 
 ParamLookup = Callable[[str], torch.Tensor]
@@ -38,6 +39,8 @@ class TransferStats:
     seconds: float = 0.0
     finalize_seconds: float = 0.0
     wait_seconds: float = 0.0  # blocked on the bytes themselves (the rest is this rank's own work)
+    delta_elements: int = 0  # a delta sync's receiver: elements its messages cover ...
+    changed_elements: int = 0  # ... and how many of them changed (were sent)
 
 
 def region(tensor: torch.Tensor, dim: int, offset: int, length: int) -> torch.Tensor:
@@ -46,11 +49,14 @@ def region(tensor: torch.Tensor, dim: int, offset: int, length: int) -> torch.Te
 
 def run_fragment(group, fragment: dict, params: ParamLookup,
                  finalize: Callable[[str], None] | None = None,
-                 prepare: Callable[[list[str]], None] | None = None) -> TransferStats:
+                 prepare: Callable[[list[str]], None] | None = None,
+                 delta: changed_only.DeltaSide | None = None) -> TransferStats:
     """Runs this rank's part of a plan on ``group`` (a ProcessGroup with send/recv).
 
     ``prepare`` (receiver) is given the parameters a bucket writes into before anything of
     the bucket is looked up or allocated; ``finalize`` each parameter once its last bucket landed.
+    ``delta`` (``trainer.delta_sync``): the changed elements only, or a full sync that keeps what
+    the next one compares against (``megarl.reshard.delta``).
     """
     stats = TransferStats()
     started = time.perf_counter()
@@ -64,17 +70,30 @@ def run_fragment(group, fragment: dict, params: ParamLookup,
             finalize(name)
         stats.finalize_seconds += time.perf_counter() - t0
 
-    for bucket in fragment["buckets"]:
+    for b, bucket in enumerate(fragment["buckets"]):
         if prepare is not None and bucket["recv"]:
             prepare(sorted({item[0] for message in bucket["recv"] for item in message["items"]}))
-        posted = _post_bucket(group, bucket, params, stats)
-        if waiting:
-            finalize_all(waiting)
-            waiting = []
-        # The bucket's staging buffers and views of its parameters live only in ``posted``:
-        # nothing of one bucket is still referenced while the next one allocates.
-        _finish_bucket(posted, params, stats)
-        del posted
+        if delta is not None and delta.mode == "delta":
+            # headers first (the receiver learns each body's size), so no overlap with finalising
+            if waiting:
+                finalize_all(waiting)
+                waiting = []
+            sends = changed_only.post_sends(group, b, bucket, params, delta, stats)
+            changed_only.receive(group, b, bucket, params, delta, stats)
+            for work, _ in sends:
+                work.wait()
+            del sends
+        else:
+            posted = _post_bucket(group, bucket, params, stats)
+            if waiting:
+                finalize_all(waiting)
+                waiting = []
+            # The bucket's staging buffers and views of its parameters live only in ``posted``:
+            # nothing of one bucket is still referenced while the next one allocates.
+            _finish_bucket(posted, params, stats)
+            del posted
+            if delta is not None:
+                changed_only.keep_after_full(b, bucket, params, delta)
         # On GPU the sends and receives are queued, not done: wait for them here, so staging
         # stays within one bucket and the timings are of the transfer, not of the enqueueing.
         platform.synchronize()

@@ -43,8 +43,10 @@ class WeightReceiver(Protocol):
     def check_plan(self, plan_id: str) -> list[str | None]:
         """Per worker: None if its installed plan still fits its parameters, else why not."""
 
-    def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
-        """Receives this engine's shards in place; per worker, bytes, seconds (and checksums)."""
+    def receive_weights(self, plan_id: str, with_checksums: bool = False, delta: str | None = None
+                        ) -> list[dict[str, Any]]:
+        """Receives this engine's shards in place; per worker, bytes, seconds (and checksums).
+        ``delta``: "full" or "delta" under ``trainer.delta_sync`` (``megarl.reshard.delta``)."""
 
 
 class RolloutEngine(WeightReceiver, Protocol):

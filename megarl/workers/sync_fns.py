@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megarl.distributed.bringup import free_port
 from megarl.platform import current_platform
+from megarl.reshard.delta import DeltaSide
 from megarl.reshard.group import SameDevice, node_ip, open_sync_group
 from megarl.reshard.plan import meta_fingerprint
 from megarl.reshard.source import expected_checksums, source_meta, source_tensors
@@ -72,8 +73,26 @@ def check(key: str, plan_id: str) -> str | None:
     return None
 
 
-def send(key: str, plan_id: str) -> dict | None:
-    """Sends this rank's shards; WeightSync.sync has just run ``check`` on every rank."""
+def _delta_side(sync: dict, plan_id: str, mode: str | None) -> DeltaSide | None:
+    """``trainer.delta_sync``: a full sync starts a new copy of what is sent (one copy of this rank's
+    shards, in the engines' dtype); a delta one compares against it."""
+    if mode is None:
+        sync.pop("delta", None)
+        return None
+    if mode == "full":
+        sync["delta"] = (plan_id, DeltaSide("full"))
+        return sync["delta"][1]
+    kept_plan, side = sync.get("delta", (None, None))
+    if kept_plan != plan_id:
+        raise RuntimeError("delta weight sync: this rank kept no copy of the last sync under this plan; "
+                           "a full sync must come first (WeightSync.forget)")
+    side.mode = "delta"
+    return side
+
+
+def send(key: str, plan_id: str, delta: str | None = None) -> dict | None:
+    """Sends this rank's shards; WeightSync.sync has just run ``check`` on every rank. ``delta``:
+    "full" or "delta" under ``trainer.delta_sync`` (``megarl.reshard.delta``), None without it."""
     from megarl.utils.memory import current_rss, peak_rss, reset_peak_rss
 
     if SYNC_STATE_KEY not in state:
@@ -85,7 +104,8 @@ def send(key: str, plan_id: str) -> dict | None:
     reset_peak_rss()
     rss_at_start = current_rss()
     tensors = source_tensors(model.chunks, model.spec, model.info)
-    stats = run_fragment(state[SYNC_STATE_KEY]["group"], fragment, tensors.__getitem__)
+    side = _delta_side(state[SYNC_STATE_KEY], plan_id, delta)
+    stats = run_fragment(state[SYNC_STATE_KEY]["group"], fragment, tensors.__getitem__, delta=side)
     return {"rank": state[SYNC_STATE_KEY]["group"].rank, "bytes_sent": stats.bytes_sent, "seconds": stats.seconds,
             "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages,
             "peak_rss_above_start": peak_rss() - rss_at_start,

