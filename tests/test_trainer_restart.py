@@ -1,7 +1,7 @@
 """Trainer faults restart in place (issue 42 item 3): what the restart relies on.
 The run itself, its actor rank SIGKILLed in step 3 and restarted from a memory snapshot or a
-checkpoint, is tests/test_trainer.py's ``test_actor_rank_killed_in_step_3_restarts_in_place_...``:
-it repeats that module's run one version ahead, which its kill-and-resume test shares.
+checkpoint, is tests/test_trainer.py's ``-k restarts_in_place`` (the checkpoint's case in the run
+its kill-and-resume test kills again): each repeats that module's run one version ahead.
 """
 
 from __future__ import annotations
