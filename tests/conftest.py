@@ -251,6 +251,13 @@ def build_tiny_policy(path: Path, smollm2: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory, smollm2) -> Path:
+    """``build_tiny_policy``'s model, built once for the session (about 3 s each time, and
+    eight modules read it); nothing writes into it."""
+    return build_tiny_policy(session_dir(tmp_path_factory, "policy") / "llama", smollm2)
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = session_dir(tmp_path_factory, "hf")
     return {family: build_tiny_hf(family, root / family)

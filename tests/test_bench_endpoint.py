@@ -9,11 +9,10 @@ import math
 import os
 
 import pytest
-from conftest import build_tiny_policy
 
 
-def test_endpoint_against_in_process_episodes(cli, tmp_path, smollm2):
-    policy = build_tiny_policy(tmp_path / "llama", smollm2)
+def test_endpoint_against_in_process_episodes(cli, tiny_policy):
+    policy = tiny_policy
     proc = cli("bench", "endpoint", "--prompts", "1", "--rounds", "1", "--json", f"actor.model.path={policy}",
                f"reference.model.path={policy}", "rollout.max_tokens=8", "rollout.n=2", "eval.sets=[]",
                "rollout.max_model_len=512", "data.max_prompt_len=256", "env.max_episode_tokens=400",

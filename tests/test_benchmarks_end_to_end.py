@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_policy
 
 # the smallest run of the demo recipe: 2 prompts x 4 samples of 16 tokens
 SMALL = ["rollout.max_tokens=16", "data.prompts_per_step=2", "rollout.n=4"]
@@ -23,8 +22,8 @@ HELD_OUT = ("eval.sets=[{name: held, source: 'reasoning_gym:chain_sum', size: 4,
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory, smollm2) -> Path:
-    return build_tiny_policy(tmp_path_factory.mktemp("bench-policy") / "llama", smollm2)
+def policy(tiny_policy) -> Path:
+    return tiny_policy
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_policy, cli_train_run, read_metrics, wait_for_phase
+from conftest import cli_train_run, read_metrics, wait_for_phase
 from length_reward import serve as serve_length_reward
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory, smollm2) -> Path:
-    return build_tiny_policy(tmp_path_factory.mktemp("policy") / "llama", smollm2)
+def policy(tiny_policy) -> Path:
+    return tiny_policy
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMIT = ROOT / "launch" / "submit.sh"
@@ -114,11 +113,6 @@ def slurm(subprocesses):
     env.pop("RAY_ADDRESS", None)
     yield env
     _run(["bash", str(SLURM_CTL), "down"])
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory, smollm2) -> Path:
-    return build_tiny_policy(tmp_path_factory.mktemp("launch") / "llama", smollm2)
 
 
 def _submit(env: dict, policy: Path, out: Path, *overrides: str) -> int:

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMIT = ROOT / "launch" / "submit.sh"
@@ -121,11 +120,6 @@ def cluster(subprocesses):
         print(down.stdout.strip(), down.stderr.strip())
         left = _run(["ip", "netns", "list"]).stdout
         assert down.returncode == 0 and not any(node in left for node in NODES), down.stdout + down.stderr + left
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory, smollm2) -> Path:
-    return build_tiny_policy(tmp_path_factory.mktemp("launch2") / "llama", smollm2)
 
 
 def _job(c: Cluster, job_id: int) -> dict[str, str]:

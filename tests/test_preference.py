@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import rank_jobs
 import torch
-from conftest import build_tiny_policy, moved_copy, with_smollm2_tokenizer
+from conftest import moved_copy, with_smollm2_tokenizer
 
 from megarl.algorithms.bradley_terry import bradley_terry_loss
 from megarl.algorithms.dpo import PairLogprobs, dpo_loss
@@ -56,8 +56,8 @@ def _step(pools, layout: ParallelConfig, **kwargs) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, smollm2):
-    return build_tiny_policy(tmp_path_factory.mktemp("pref") / "policy", smollm2)
+def policy_dir(tiny_policy):
+    return tiny_policy
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_policy
 
 from megarl.cli.main import main
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory, smollm2) -> Path:
-    return build_tiny_policy(tmp_path_factory.mktemp("sup") / "policy", smollm2)
+def policy(tiny_policy) -> Path:
+    return tiny_policy
 
 
 def _write_jsonl(path: Path, records: list) -> Path:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_VOCAB as VOCAB
-from conftest import Cli, build_tiny_policy, cli_train_run, read_metrics, wait_for_phase, with_smollm2_tokenizer
+from conftest import Cli, cli_train_run, read_metrics, wait_for_phase, with_smollm2_tokenizer
 from length_reward import serve as serve_length_reward
 
 from megarl.config.loader import load_config
@@ -43,8 +43,8 @@ from megarl.validation.checks import validate_run
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory, smollm2) -> Path:
-    return build_tiny_policy(tmp_path_factory.mktemp("policy") / "llama", smollm2)
+def policy(tiny_policy) -> Path:
+    return tiny_policy
 
 
 @pytest.fixture(scope="module")
