@@ -198,6 +198,12 @@ def _delta(args: RefitArgs, arch, actor, sync, progress) -> dict[str, Any]:
             "sent_bytes": sum(changed.received.values()), "full_bytes": sum(full.received.values()),
             "bytes_ratio": sum(changed.received.values()) / sum(full.received.values()),
             "seconds": changed.seconds, "full_seconds": full.seconds, "time_ratio": changed.seconds / full.seconds,
+            # where the delta sync's time went: the slowest actor rank's encoding and sending, the
+            # slowest engine worker's wait on the bytes and its re-packing (the same as a full sync's)
+            "sender_seconds": max(w["seconds"] for w in changed.worker_stats if "bytes_sent" in w),
+            "receiver_wait_seconds": max(w["wait_seconds"] for w in changed.worker_stats if "bytes_received" in w),
+            "receiver_finalize_seconds": max(w["finalize_seconds"] for w in changed.worker_stats
+                                             if "bytes_received" in w),
             "same_logprobs_as_full": after_delta == after_full}
 
 
@@ -297,7 +303,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"delta sync of the {len(d['steps'])} steps ({result['dtype']}): {d['changed_fraction']:.1%} "
                      f"of the elements changed; sent {_human(d['sent_bytes'])} against {_human(d['full_bytes'])} "
                      f"whole: bytes_ratio {d['bytes_ratio']:.3f}, time {d['seconds']:.3f} s against "
-                     f"{d['full_seconds']:.3f} s: time_ratio {d['time_ratio']:.2f}")
+                     f"{d['full_seconds']:.3f} s: time_ratio {d['time_ratio']:.2f} (actor side "
+                     f"{d['sender_seconds']:.3f} s; engine waiting {d['receiver_wait_seconds']:.3f} s, "
+                     f"re-packing {d['receiver_finalize_seconds']:.3f} s)")
         lines.append(f"after the delta sync: {d['checksum_mismatches']} checksum mismatches, vLLM's log-probs "
                      f"{'the same as' if d['same_logprobs_as_full'] else 'DIFFERENT FROM'} after a full sync, "
                      f"vLLM vs actor log-prob gap {d['logprob_gap_after']:.3g} "
