@@ -150,6 +150,26 @@ def test_limits_end_a_session_with_a_clear_error():
     assert long.value.code == "context_length_exceeded"
 
 
+def test_a_session_past_its_wall_time_ends_with_a_clear_error_and_fails_its_episode():
+    now = [100.0]
+    s = Session("wall", SessionLimits(wall_s=10.0), clock=lambda: now[0])
+    s.admit([1, 2], TurnParams())
+    s.record([1, 2], sampled([3, 2]))
+    now[0] = 109.5
+    assert s.wall_left() == pytest.approx(0.5)
+    now[0] = 110.0
+    with pytest.raises(ApiError, match="wall-time limit of 10 s") as late:
+        s.admit([1, 2, 3, 2, 4], TurnParams())
+    assert late.value.status == 400 and late.value.code == "megarl_session_wall_time"
+    with pytest.raises(ApiError, match="its 10 s of wall time are used") as after:
+        s.admit([1, 2, 3, 2, 4], TurnParams())
+    assert after.value.status == 410
+    t = s.finish(1.0)  # the agent's reward does not count: the episode was cut short
+    assert t.finish_reason == "env_error" and t.reward == 0.0 and "wall-time limit" in t.error
+    assert t.turns == [[3, 2]] and t.response_ids == [3, 2]  # only the whole turn recorded before
+    assert Session("free", SessionLimits(), clock=lambda: now[0]).wall_left() is None
+
+
 def test_a_training_session_refuses_another_temperature_and_seeds_each_turn():
     s = Session("f", SessionLimits(), SessionSampling(temperature=0.7, top_p=1.0, seed=100))
     with pytest.raises(ApiError, match="temperature is fixed at 0.7"):
@@ -397,6 +417,19 @@ def test_an_over_limit_session_and_bad_requests_inside_an_episode_get_clear_erro
     assert t.info["history_splits"] == 1.0 and len(t.turns) == 1 and len(t.segments[0].turns) == 1
 
 
+def test_a_session_out_of_wall_time_mid_turn_has_the_turn_aborted_and_its_episode_failed(host, tokenizer):
+    talk = {"messages": [{"role": "user", "content": "hi"}]}
+    # a turn of the scripted reply takes 0.1 s a token, ~0.8 s: past the session's 0.4 s
+    backend = ScriptedBackend(tokenizer("The answer is 42.")["input_ids"], tokenizer.eos_token_id, delay_s=0.1)
+    (t,), backend = run_agent(host, tokenizer, _probe, [EpisodeItem("wall", {"requests": [talk, talk]})],
+                              backend=backend, limits=SessionLimits(max_turns=3, wall_s=0.4))
+    seen = SEEN["wall"]
+    assert seen[0][0] == 400 and "wall-time limit of 0.4 s (rollout.endpoint.session_wall_s)" in seen[0][1]
+    assert seen[1][0] == 410 and "wall time are used" in seen[1][1]
+    assert len(backend.aborted) == 1 and not backend.sampled and not backend.open  # stopped at the engine
+    assert t.finish_reason == "env_error" and "wall-time limit" in t.error and t.turns == [] and t.reward == 0.0
+
+
 def test_requests_outside_an_episode_get_clear_errors(host):
     import httpx
 
@@ -420,21 +453,65 @@ def test_requests_outside_an_episode_get_clear_errors(host):
 async def _gives_up_once(client, item):
     import openai
 
+    await client.completions.create(model="m", prompt="Count: 1 2", max_tokens=2)
     try:
-        await client.with_options(timeout=0.3).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "slow"}])
+        await client.with_options(timeout=0.3).completions.create(model="m", prompt="Count: 1 2 3")
     except openai.APITimeoutError:
-        pass
+        await asyncio.sleep(0.5)  # the server sees the connection close (a retry at once may come first)
+    try:
+        await client.completions.create(model="m", prompt="Count: 1 2 3", max_tokens=4)
+    except openai.APIStatusError as exc:
+        SEEN["gone"] = [(exc.status_code, exc.body["message"])]
+    return 1.0
+
+
+async def _counts_by_text(client, item):
     reply = await client.completions.create(model="m", prompt="Count: 1 2 3", max_tokens=4, logprobs=1)
     more = await client.completions.create(model="m", prompt="Count: 1 2 3" + reply.choices[0].text + " 4",
                                            max_tokens=4)
     return float(len(more.choices[0].text) > 0)
 
 
-def test_a_client_that_disconnects_aborts_its_turn_and_completions_extend_by_text(host, tokenizer):
+def test_a_client_that_disconnects_mid_request_has_its_turn_aborted_and_its_episode_failed(host, tokenizer):
     backend = ScriptedBackend(tokenizer("The answer is 42.")["input_ids"], tokenizer.eos_token_id, delay_s=0.1)
     (t,), backend = run_agent(host, tokenizer, _gives_up_once, [EpisodeItem("x")], backend=backend)
     assert len(backend.aborted) == 1 and backend.aborted[0] not in backend.sampled  # cut, never recorded
+    assert SEEN["gone"][0][0] == 410 and "its client disconnected mid-request" in SEEN["gone"][0][1]
+    # a counted failed episode, no reward (whatever the agent returned), its whole first turn only
+    assert t.finish_reason == "env_error" and "the client disconnected while its turn generated" in t.error
+    assert t.reward == 0.0 and len(t.turns) == 1 and t.info["endpoint_turns"] == 1.0
+
+
+def test_an_outside_turn_whose_client_left_before_it_reached_an_engine_is_never_sent():
+    from types import SimpleNamespace
+
+    from megarl.rollout.endpoint.bound import EngineRouter
+    from megarl.rollout.endpoint.sessions import TurnSpec
+
+    async def main():
+        calls, answer = [], asyncio.get_running_loop().create_future()
+
+        def endpoint_turns(turns, stop_ids, version):  # an engine call that answers when told to
+            calls.append([prompt for prompt, _ in turns])
+            return answer
+
+        router = EngineRouter([SimpleNamespace(endpoint_turns=SimpleNamespace(remote=endpoint_turns))], [2], 0)
+        spec = TurnSpec(4, 1.0, 1.0)
+        first = asyncio.create_task(router.generate([1], spec, "s"))
+        await asyncio.sleep(0.05)  # its engine call runs
+        second = asyncio.create_task(router.generate([5], spec, "s"))  # queued behind it
+        await asyncio.sleep(0.05)
+        second.cancel()  # its client went away
+        answer.set_result([sampled([3, 2])])
+        assert (await first).token_ids == [3, 2]
+        await asyncio.sleep(0.05)
+        return calls
+
+    assert asyncio.run(main()) == [[[1]]]  # one engine call, the first turn's: the second never went
+
+
+def test_completions_extend_a_session_by_text(host, tokenizer):
+    (t,), _ = run_agent(host, tokenizer, _counts_by_text, [EpisodeItem("x")])
     assert len(t.turns) == 2 and t.info["endpoint_turns"] == 2.0 and t.info["history_splits"] == 0.0
     assert t.prompt_ids == tokenizer("Count: 1 2 3")["input_ids"] and t.finish_reason == "length"
     assert t.observations == [tokenizer(" 4", add_special_tokens=False)["input_ids"]]

@@ -168,6 +168,39 @@ def test_the_engines_endpoint_refuses_malformed_requests_and_unknown_sessions(en
     assert other.status_code == 404 and other.json()["error"]["code"] == "megarl_unknown_session"
 
 
+def test_a_client_that_disconnects_mid_request_stops_its_turn_at_the_engine_and_fails_the_episode(engine):
+    """An agent's client gives up on a long generation after 4 s and closes its connection: vLLM's
+    request is aborted (while the agent lingers 4 s before it fails, the engine samples at most the
+    token of the step the abort waited for) and the episode is a counted failed one, nothing recorded."""
+    import time
+
+    import ray
+
+    from megarl.rollout.episodes import episode_metrics
+    from megarl.rollout.remote import submit_episodes
+
+    cfg = RunConfig(env=EnvConfig(kind="megarl.envs.examples.agents:answer_within",
+                                  options={"seconds": 4.0, "max_tokens": 900, "then_wait_s": 4.0, "as_text": True},
+                                  max_turns=1, max_episode_tokens=960, agent_timeout_s=120))
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len = 900, 1024
+    sampling = SamplingConfig(temperature=1.0, max_tokens=900, n=1, stop_token_ids=[2], seed=3)
+    # a text the model goes on counting from, for hundreds of tokens: still generating when the client leaves
+    item = EpisodeItem(", ".join(str(i) for i in range(1, 16)) + ",", {"answer": "0"})
+    before = ray.get(engine.sampled_tokens.remote(), timeout=60)
+    call, polls = submit_episodes([engine], [item], sampling, cfg), []
+    while not ray.wait(call, timeout=0.2)[0]:
+        polls.append((time.monotonic(), ray.get(engine.sampled_tokens.remote(), timeout=60)))
+    ended = time.monotonic()
+    (t,) = [t for part in ray.get(call, timeout=60) for t in part]
+    assert t.finish_reason == "env_error" and "the client disconnected while its turn generated" in t.error, t.error
+    assert t.turns == [] and t.reward == 0.0 and episode_metrics([t])["env/finish_env_error"] == 1.0
+    sampled = [count - before for _, count in polls]
+    lingering = [count - before for at, count in polls if at > ended - 3.0]  # the agent's last 3 s of waiting
+    # it generated until the client left (at a load of 40 on 2 cores, maybe not yet a token) and not
+    # after: the engine's request was aborted, not run on to its 900 tokens
+    assert len(lingering) >= 5 and max(lingering) - min(lingering) <= 1 and sampled[-1] < 900, sampled
+
+
 def _run_env(engine, env: EnvConfig, items):
     import ray
 

@@ -19,6 +19,11 @@ class EndpointConfig:
     # Bearer token every request must carry (Authorization: Bearer <token>); a request without it
     # is answered 401. Required where host is not loopback: the endpoint samples from the policy.
     token: str = ""
+    # The longest a session may last, in seconds from its opening: the run's agent sessions and
+    # outside callers' alike. The request that passes it is answered 400 (its turn aborted at the
+    # engine) and the session ends; a run's episode then fails (env_error, no reward, counted).
+    # None: no limit (env.agent_timeout_s still bounds an agent of the run).
+    session_wall_s: float | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -41,6 +46,9 @@ def endpoint_errors(endpoint: EndpointConfig) -> list[str]:
     elif endpoint.port is not None and not is_loopback(endpoint.host) and not endpoint.token:
         errors.append(f"rollout.endpoint.host={endpoint.host!r} is not loopback: set rollout.endpoint.token "
                       "(a bearer token callers must send)")
+    if endpoint.session_wall_s is not None and not endpoint.session_wall_s > 0:
+        errors.append(f"rollout.endpoint.session_wall_s={endpoint.session_wall_s} must be > 0 seconds (or unset: "
+                      "no limit)")
     if endpoint.token and any(c.isspace() for c in endpoint.token):
         errors.append("rollout.endpoint.token must not contain whitespace (it goes in an Authorization header)")
     return errors

@@ -47,6 +47,7 @@ class EpisodeLimits:
     max_concurrent: int = 64
     overlap: bool = True
     step_timeout_s: float = 60.0  # one environment reset or step
+    session_wall_s: float | None = None  # an agent's session at the endpoint (rollout.endpoint.session_wall_s)
 
 
 @dataclass

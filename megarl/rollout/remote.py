@@ -93,7 +93,8 @@ def episode_limits(cfg: RunConfig, max_turn_tokens: int | None = None) -> Episod
     return EpisodeLimits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
                          max_turn_tokens=max_turn_tokens or cfg.rollout.max_tokens,
                          max_model_len=cfg.rollout.max_model_len, max_concurrent=env.max_concurrent_episodes,
-                         overlap=env.overlap, step_timeout_s=env.step_timeout_s)
+                         overlap=env.overlap, step_timeout_s=env.step_timeout_s,
+                         session_wall_s=cfg.rollout.endpoint.session_wall_s)
 
 
 def episode_item(item: PromptItem) -> EpisodeItem:

@@ -7,11 +7,14 @@ conversation as it is (the second request extends the first: one trajectory);
 ``restate_and_check`` starts the second request afresh, quoting the first answer inside a new
 user message, as an agent that compacts its history does (the session splits there).
 ``answer_once`` asks once and scores that answer: the in-process ``single_turn`` episode as an
-agent (``megarl bench endpoint`` times the two against each other).
+agent (``megarl bench endpoint`` times the two against each other). ``answer_within`` asks once
+but waits only so long for the answer: an agent with a latency budget, whose client disconnects
+when it gives up (the endpoint then aborts the turn at the engine and fails the episode).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from megarl.envs.base import EpisodeItem
@@ -56,3 +59,25 @@ async def answer_once(client: Any, item: EpisodeItem, max_tokens: int | None = N
     limit = {} if max_tokens is None else {"max_tokens": max_tokens}  # None: the run's rollout.max_tokens
     reply = await client.chat.completions.create(model="policy", messages=opening(item), **limit)
     return score(reply.choices[0].message.content, item)
+
+
+async def answer_within(client: Any, item: EpisodeItem, seconds: float = 5.0, max_tokens: int | None = None,
+                        then_wait_s: float = 0.0, as_text: bool = False) -> float:
+    """``answer_once`` with a budget of ``seconds`` for the answer: past it the client gives up
+    (closes its connection) and the agent fails, after ``then_wait_s`` seconds (it goes on with
+    other work meanwhile, say; its episode's call waits for it). ``as_text``: the item's prompt
+    is sent as it is to ``/v1/completions`` (no chat template), as a base model's agent does."""
+    import openai
+
+    limit = {} if max_tokens is None else {"max_tokens": max_tokens}
+    patient = client.with_options(timeout=seconds)
+    try:
+        if as_text:
+            answer = (await patient.completions.create(model="policy", prompt=item.prompt, **limit)).choices[0].text
+        else:
+            reply = await patient.chat.completions.create(model="policy", messages=opening(item), **limit)
+            answer = reply.choices[0].message.content
+    except openai.APITimeoutError:
+        await asyncio.sleep(then_wait_s)
+        raise
+    return score(answer, item)

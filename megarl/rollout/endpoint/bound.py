@@ -63,7 +63,12 @@ class EngineRouter:
         waiting = _Waiting(list(prompt_ids), spec, asyncio.get_running_loop().create_future())
         self._queues.setdefault(i, []).append(waiting)
         self._kick(i)
-        return await waiting.answer
+        try:
+            return await waiting.answer
+        except asyncio.CancelledError:  # its client went away: a turn not yet sent to the engine never is
+            if i in self._queues:
+                self._queues[i] = [w for w in self._queues[i] if w is not waiting]
+            raise
 
     def _kick(self, i: int) -> None:
         if i not in self._calls and self._queues.get(i) and self._open.is_set():
@@ -215,7 +220,8 @@ def start_outside_endpoint(cfg: Any, engines: list, model_path: str, version: in
     limits = SessionLimits(max_turns=env.max_turns if env is not None else SessionLimits.max_turns,
                            max_episode_tokens=env.max_episode_tokens if env is not None
                            else SessionLimits.max_episode_tokens,
-                           max_turn_tokens=r.max_tokens, max_model_len=r.max_model_len)
+                           max_turn_tokens=r.max_tokens, max_model_len=r.max_model_len,
+                           wall_s=bound.session_wall_s)
     # not fixed: an outside caller evaluates (greedy, say) as it likes; nothing it samples trains
     sampling = SessionSampling(r.temperature, r.top_p, r.top_k, fixed=False)
     stop_ids = [AutoTokenizer.from_pretrained(model_path).eos_token_id]

@@ -14,11 +14,14 @@ an OpenAI error body with its status: 400 malformed or over a limit, 404 an unkn
 503 no engine call running (retryable);
 with a ``token`` (``rollout.endpoint.token``), 401 a request without ``Authorization: Bearer
 <token>``.
-A client that disconnects cancels its handler: its turn is aborted and not recorded.
+A client that disconnects cancels its handler: its turn is aborted and not recorded, and its
+session fails (its episode is ``env_error``; later requests are answered 410). A session past its
+wall time (``SessionLimits.wall_s``) is answered 400, the turn it was generating aborted, and fails too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -100,8 +103,21 @@ class Endpoint:
 
     async def _turn(self, session: Session, prompt_ids: list[int], params) -> tuple[TurnSpec, SampledTurn, bool]:
         spec = session.admit(prompt_ids, params)
+        deadline = None
         try:
-            turn = await self.generate(prompt_ids, spec, session.id)
+            # the session's wall time left bounds the turn: past it the turn is aborted at the engine
+            async with asyncio.timeout(session.wall_left()) as deadline:
+                turn = await self.generate(prompt_ids, spec, session.id)
+        except TimeoutError:
+            session.abandon()
+            if deadline is not None and deadline.expired():
+                raise session.out_of_time() from None
+            raise
+        except asyncio.CancelledError:  # the client disconnected (aiohttp cancels its handler): the turn is aborted
+            session.abandon()
+            session.fail("disconnected", "the client disconnected while its turn generated (the turn was aborted, "
+                         "not recorded); the episode is over")
+            raise
         except BaseException:
             session.abandon()
             raise

@@ -12,14 +12,19 @@ always exactly what the engine was given and sampled.
 
 Limits end a session: ``max_turns`` turns (across its splits), ``max_episode_tokens`` response
 tokens in one trajectory (policy and context tokens after its prompt), each turn at most
-``max_turn_tokens`` and prompt + turn at most ``max_model_len``. The request that would cross a
-limit gets an ``ApiError`` naming it, and every later request of the session is refused.
+``max_turn_tokens`` and prompt + turn at most ``max_model_len``, and ``wall_s`` seconds from its
+opening. The request that would cross a limit gets an ``ApiError`` naming it, and every later
+request of the session is refused. Running out of wall time, or a client that disconnects while
+its turn generates (the turn is aborted, never recorded), fails the episode (``env_error``): it
+trains only the whole turns recorded before, with no reward.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,7 @@ class SessionLimits:
     max_episode_tokens: int = 512  # response tokens of one trajectory (policy and context)
     max_turn_tokens: int = 128
     max_model_len: int = 1024
+    wall_s: float | None = None  # from the session's opening (rollout.endpoint.session_wall_s); None: none
 
 
 @dataclass(frozen=True)
@@ -82,14 +88,17 @@ class RecordedTurn:
 
 
 class Session:
-    def __init__(self, sid: str, limits: SessionLimits, sampling: SessionSampling = SessionSampling()):
-        self.id, self.limits, self.sampling = sid, limits, sampling
+    def __init__(self, sid: str, limits: SessionLimits, sampling: SessionSampling = SessionSampling(),
+                 clock: Callable[[], float] = time.monotonic):
+        self.id, self.limits, self.sampling, self.clock = sid, limits, sampling, clock
+        self.opened_at = clock()
+        self.failure = ""  # what failed the episode (wall time, a client gone mid-request)
         self.turns: list[RecordedTurn] = []  # every turn served, in the order they finished
         self.segments: list[Trajectory] = []  # trajectories closed by a split
         self.current: Trajectory | None = None
         self.splits = 0
         self.in_flight = 0
-        self.ended = ""  # why the session takes no more requests: turns | length | closed
+        self.ended = ""  # why the session takes no more requests: turns | length | wall_time | disconnected | closed
         self.closed = False  # its episode is over: a turn that finishes now is not recorded
         self.turn_ended = True  # the last turn ended with the end-of-turn token
         # The conversation as of the last turn, for the next prompt (megarl.rollout.endpoint.prompts):
@@ -112,6 +121,8 @@ class Session:
             raise ApiError(410, f"session {self.id!r} has ended ({self._why()}): it takes no more requests",
                            code="megarl_session_ended")
         lim = self.limits
+        if self.wall_left() == 0.0:
+            raise self.out_of_time()
         if len(self.turns) + self.in_flight >= lim.max_turns:
             self.ended = "turns"
             raise bad(f"session {self.id!r} reached its limit of {lim.max_turns} turns (env.max_turns); "
@@ -151,6 +162,24 @@ class Session:
         """A request admitted that did not generate (the engine refused it, the client left)."""
         self.in_flight -= 1
 
+    def wall_left(self) -> float | None:
+        """Seconds the session may still run (None: no wall-time limit)."""
+        if self.limits.wall_s is None:
+            return None
+        return max(0.0, self.limits.wall_s - (self.clock() - self.opened_at))
+
+    def out_of_time(self) -> ApiError:
+        """The session ran out of wall time: it ends, its episode failed; the error its request gets."""
+        why = (f"session {self.id!r} passed its wall-time limit of {self.limits.wall_s:g} s "
+               "(rollout.endpoint.session_wall_s); the episode is over")
+        self.fail("wall_time", why)
+        return bad(why, code="megarl_session_wall_time")
+
+    def fail(self, ended: str, why: str) -> None:
+        """The episode fails (``env_error`` at ``finish``) and the session takes no more requests."""
+        self.ended = self.ended or ended
+        self.failure = self.failure or why
+
     def record(self, prompt_ids: list[int], turn: SampledTurn) -> bool:
         """A turn the engine answered, into the trajectory; True where it split the session."""
         self.in_flight -= 1
@@ -180,9 +209,13 @@ class Session:
 
     def finish(self, reward: float | None, error: str = "") -> Trajectory:
         """The episode's trajectory: the last one (what trains), the ones its splits closed in
-        ``segments``. Its finish reason: the limit that ended the session, else ``env_error``
-        where the agent failed (or made no request), else done / length by how its last turn ended."""
+        ``segments``. Its finish reason: ``env_error`` where the session failed (its wall time, a
+        client gone mid-request: no reward), else the limit that ended the session, else
+        ``env_error`` where the agent failed (or made no request), else done / length by how its
+        last turn ended."""
         limit = self.ended if self.ended in ("turns", "length") else ""
+        if self.failure:  # no reward: the agent's (if it returned one) scored an episode cut short
+            reward, limit, error = None, "", self.failure + (f"; then {error}" if error else "")
         if not self.turns and not error:
             error = "the agent made no request to the endpoint"
         reason = limit or ("env_error" if error else "done" if self.turn_ended else "length")
@@ -199,8 +232,11 @@ class Session:
         return t
 
     def _why(self) -> str:
+        if self.ended == "wall_time":
+            return f"its {self.limits.wall_s:g} s of wall time are used"
         return {"turns": f"its {self.limits.max_turns} turns are used", "length": "its tokens are used",
-                "closed": "its episode is over"}.get(self.ended, self.ended)
+                "closed": "its episode is over", "disconnected": "its client disconnected mid-request"
+                }.get(self.ended, self.ended)
 
 
 class SessionBook:

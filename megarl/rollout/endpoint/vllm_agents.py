@@ -76,7 +76,8 @@ class AgentHosting:
 
         episodes = AgentEpisodes(
             self._endpoint_host, agent, env.options,
-            SessionLimits(limits.max_turns, limits.max_episode_tokens, limits.max_turn_tokens, limits.max_model_len),
+            SessionLimits(limits.max_turns, limits.max_episode_tokens, limits.max_turn_tokens, limits.max_model_len,
+                          limits.session_wall_s),
             SessionSampling(sampling.temperature, sampling.top_p, sampling.top_k, fixed=True),
             limits.max_concurrent, env.agent_timeout_s)
         return AgentRunner(episodes, lambda: VLLMRequests(self.llm, self._tokenizer(), sampling.stop_token_ids,
