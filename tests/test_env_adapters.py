@@ -115,7 +115,19 @@ def test_the_example_openenv_environment_asks_a_seeded_sum_and_scores_its_last_n
         env.reset(seed=5, digits=2)  # a mistyped reset option fails the episode instead of being dropped
 
 
-def test_openenvs_own_echo_environment_is_found_and_scored_as_its_template_says(tmp_path, monkeypatch):
+@pytest.fixture
+def forgets_echo_env():
+    """The echo_env modules this test imports are forgotten after it: its folder goes with the
+    test (tests/disk_hygiene.py), and test_recipes writes and imports its own."""
+    import sys
+
+    yield
+    for name in [n for n in sys.modules if n == "echo_env" or n.startswith("echo_env.")]:
+        del sys.modules[name]
+
+
+def test_openenvs_own_echo_environment_is_found_and_scored_as_its_template_says(tmp_path, monkeypatch,
+                                                                                  forgets_echo_env):
     # OpenEnv ships its echo environment as the template `openenv init` writes
     # (model_configs/cpu_openenv_echo.yaml trains on it): the adapter finds its classes unchanged
     from openenv_echo import write_echo_env
