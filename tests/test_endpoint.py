@@ -123,6 +123,24 @@ def test_every_part_of_a_split_episode_trains_as_a_row_with_its_episodes_advanta
     assert plain.size == 1 and plain.episode_of is None
 
 
+def test_a_checkpoints_rollout_buffer_keeps_every_part_of_a_split_episode(tmp_path):
+    from megarl.rollout_driver.batch import Rollout, build_batch
+    from megarl.rollout_driver.buffer import load_buffer, save_buffer
+
+    class Assembler:  # what load_buffer asks of the rollout manager for a finished batch
+        def assemble(self, index, version, prompt_ids, groups, episodes=None):
+            return Rollout(build_batch(groups, 0, episodes=episodes), [], index, version, prompt_ids, groups, episodes)
+
+    episodes = [_split_episode("a", 1.0), _split_episode("b", 0.5)]
+    groups = [[t.sample() for t in episodes]]
+    save_buffer(tmp_path, {3: Assembler().assemble(3, 2, [7], groups, episodes)})
+    back = load_buffer(tmp_path, Assembler())[3]
+    assert back.batch.size == 4 and back.batch.episode_of.tolist() == [0, 0, 1, 1]  # rows = parts, as before
+    for was, now in zip(episodes, back.episodes, strict=True):
+        assert [(p.prompt_ids, p.response_ids, p.response_mask, p.logprobs, p.turns, p.reward) for p in now.parts()] \
+            == [(p.prompt_ids, p.response_ids, p.response_mask, p.logprobs, p.turns, p.reward) for p in was.parts()]
+
+
 def test_limits_end_a_session_with_a_clear_error():
     lim = SessionLimits(max_turns=2, max_episode_tokens=6, max_turn_tokens=4, max_model_len=12)
     s = Session("c", lim)

@@ -9,6 +9,8 @@ each token's version. ``version`` is the batch's weight version once it is finis
 it is not (an interrupted batch of the opportunistic schedule): such a batch reads back as one
 to continue, its samples' seeds and segment counts kept so each continues where it stopped. An
 unfinished episode is not kept (its environment's state is not checkpointed): it starts over.
+A kept episode that an agent's history rewrite split keeps its earlier parts too (``split_parts``:
+how many each episode has; their tokens under ``<index>.parts``): every part trains after a resume.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def save_buffer(folder: Path, batches: dict[int, Saved]) -> None:
             tensors |= _episode_tensors(index, kept.episodes)
             entry["episodes"] = [{"finish_reason": t.finish_reason, "info": t.info, "error": t.error}
                                  for t in kept.episodes]
+            if parts := [p for t in kept.episodes for p in t.segments]:
+                tensors |= _sample_tensors(f"{index}.parts", [p.sample() for p in parts])
+                tensors |= _episode_tensors(f"{index}.parts", parts)
+                entry["split_parts"] = [len(t.segments) for t in kept.episodes]
+                entry["parts"] = [{"finish_reason": p.finish_reason, "info": p.info, "error": p.error} for p in parts]
         entries.append(entry)
     save_file(tensors, str(folder / BUFFER_FILE), metadata={"format": FORMAT, "batches": json.dumps(entries)})
 
@@ -95,6 +102,11 @@ def _read(f: Any, entry: dict[str, Any], manager: Any) -> Saved:
     if f"{index}.token_versions" in f.keys():
         versions = _split(f.get_tensor(f"{index}.token_versions"), torch.tensor([len(s.response_ids) for s in samples]))
     episodes = _read_episodes(f, index, samples, entry["episodes"]) if entry.get("episodes") else None
+    if episodes and entry.get("split_parts"):
+        parts = iter(_read_episodes(f, f"{index}.parts", _read_samples(f, f"{index}.parts", [
+            p["finish_reason"] for p in entry["parts"]]), entry["parts"]))
+        for episode, count in zip(episodes, entry["split_parts"], strict=True):
+            episode.segments = [next(parts) for _ in range(count)]
     if entry["unit"] == "episodes" and entry["version"] is None:  # interrupted episodes: the finished kept
         batch = manager.episode_batch(index, entry["prompt_ids"], entry["group_size"])
         units = batch.units
@@ -116,7 +128,7 @@ def _read(f: Any, entry: dict[str, Any], manager: Any) -> Saved:
     return rollout
 
 
-def _sample_tensors(index: int, samples: list[RolloutSample]) -> dict[str, torch.Tensor]:
+def _sample_tensors(index: int | str, samples: list[RolloutSample]) -> dict[str, torch.Tensor]:
     return {
         f"{index}.prompt_tokens": _ints([t for s in samples for t in s.prompt_ids]),
         f"{index}.prompt_lens": _ints([len(s.prompt_ids) for s in samples]),
@@ -127,7 +139,7 @@ def _sample_tensors(index: int, samples: list[RolloutSample]) -> dict[str, torch
     }
 
 
-def _read_samples(f: Any, index: int, finish_reasons: list[str | None]) -> list[RolloutSample]:
+def _read_samples(f: Any, index: int | str, finish_reasons: list[str | None]) -> list[RolloutSample]:
     read = {name: f.get_tensor(f"{index}.{name}") for name in
             ("prompt_tokens", "prompt_lens", "response_tokens", "response_lens", "logprobs", "logprob_lens")}
     return [RolloutSample(p, r, lp, reason) for p, r, lp, reason in zip(
@@ -143,7 +155,7 @@ def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[list]:
     return [part.tolist() for part in torch.split(flat, lengths.tolist())]
 
 
-def _episode_tensors(index: int, episodes: list[Trajectory]) -> dict[str, torch.Tensor]:
+def _episode_tensors(index: int | str, episodes: list[Trajectory]) -> dict[str, torch.Tensor]:
     """What a batch of episodes adds to its samples: masks, rewards, and where turns and
     observations begin (so metrics read back as they were)."""
     return {
@@ -158,7 +170,7 @@ def _episode_tensors(index: int, episodes: list[Trajectory]) -> dict[str, torch.
     }
 
 
-def _read_episodes(f: Any, index: int, samples: list[RolloutSample], meta: list[dict]) -> list[Trajectory]:
+def _read_episodes(f: Any, index: int | str, samples: list[RolloutSample], meta: list[dict]) -> list[Trajectory]:
     read = {name: f.get_tensor(f"{index}.{name}") for name in
             ("response_mask", "rewards", "turn_lens", "turn_counts", "observation_lens", "observation_counts")}
     masks = _split(read["response_mask"], torch.tensor([len(s.response_ids) for s in samples]))
