@@ -45,7 +45,8 @@ def encode(now: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.T
     mask = now.view(as_int) != last.view(as_int)
     index = mask.nonzero().view(-1)
     encoding, nbytes = body_bytes(now.numel(), index.numel(), now.element_size())
-    header = torch.tensor([encoding, index.numel(), nbytes], dtype=torch.int64)
+    # on the values' device: an NCCL group moves device tensors only
+    header = torch.tensor([encoding, index.numel(), nbytes], dtype=torch.int64, device=now.device)
     if encoding == NONE:
         return header, None
     values = now[index].view(torch.uint8)
@@ -162,7 +163,12 @@ def receive(group, b: int, bucket: dict, params: Callable[[str], torch.Tensor], 
     import time
 
     groups = _groups(b, bucket["recv"])
-    headers = {key: torch.empty(HEADER, dtype=torch.int64) for key in groups}
+    if not groups:
+        return
+    # where the parameters are (an NCCL group moves device tensors only); the full path looks the
+    # bucket's parameters up before receiving too (a prepacked one is re-created there)
+    device = params(next(iter(groups.values()))[0]["items"][0][0]).device
+    headers = {key: torch.empty(HEADER, dtype=torch.int64, device=device) for key in groups}
     t0 = time.perf_counter()
     for work in [group.recv([headers[key]], key[1], key[2]) for key in groups]:
         work.wait()
@@ -170,7 +176,7 @@ def receive(group, b: int, bucket: dict, params: Callable[[str], torch.Tensor], 
     for key, header in headers.items():
         nbytes = int(header[2])
         if nbytes:
-            bodies[key] = torch.empty(nbytes, dtype=torch.uint8)
+            bodies[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
             works.append(group.recv([bodies[key]], key[1], key[2] + BODY_TAG))
         stats.bytes_received += header.numel() * header.element_size() + nbytes
         stats.changed_elements += int(header[1])
@@ -193,7 +199,7 @@ def receive(group, b: int, bucket: dict, params: Callable[[str], torch.Tensor], 
         for message, size in zip(messages, sizes, strict=True):
             mine = None
             if index is not None:
-                lo, hi = torch.searchsorted(index, torch.tensor([start, start + size])).tolist()
+                lo, hi = torch.searchsorted(index, torch.tensor([start, start + size], device=index.device)).tolist()
                 mine = (index[lo:hi] - start, values[lo:hi])
             _write(b, message, mine, params, side)
             start += size
