@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_hygiene import session_dir
+
+pytest.register_assert_rewrite("disk_hygiene")  # a plugin (below) that conftest also imports
+from disk_hygiene import session_dir  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
