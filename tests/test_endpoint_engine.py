@@ -169,7 +169,7 @@ def test_the_engines_endpoint_refuses_malformed_requests_and_unknown_sessions(en
 
 
 def test_a_client_that_disconnects_mid_request_stops_its_turn_at_the_engine_and_fails_the_episode(engine):
-    """An agent's client gives up on a long generation after 4 s and closes its connection: vLLM's
+    """An agent's client gives up on a long generation after 2 s and closes its connection: vLLM's
     request is aborted (while the agent lingers 4 s before it fails, the engine samples at most the
     token of the step the abort waited for) and the episode is a counted failed one, nothing recorded."""
     import time
@@ -180,7 +180,7 @@ def test_a_client_that_disconnects_mid_request_stops_its_turn_at_the_engine_and_
     from megarl.rollout.remote import submit_episodes
 
     cfg = RunConfig(env=EnvConfig(kind="megarl.envs.examples.agents:answer_within",
-                                  options={"seconds": 4.0, "max_tokens": 900, "then_wait_s": 4.0, "as_text": True},
+                                  options={"seconds": 2.0, "max_tokens": 900, "then_wait_s": 4.0, "as_text": True},
                                   max_turns=1, max_episode_tokens=960, agent_timeout_s=120))
     cfg.rollout.max_tokens, cfg.rollout.max_model_len = 900, 1024
     sampling = SamplingConfig(temperature=1.0, max_tokens=900, n=1, stop_token_ids=[2], seed=3)
