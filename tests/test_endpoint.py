@@ -72,6 +72,8 @@ def _split_episode(sid: str, reward: float):
 
 
 def test_every_part_of_a_split_episode_trains_as_a_row_with_its_episodes_advantage():
+    from dataclasses import replace
+
     import torch
 
     from megarl.algorithms import get_algorithm
@@ -114,6 +116,9 @@ def test_every_part_of_a_split_episode_trains_as_a_row_with_its_episodes_advanta
             got = est.advantages[row][batch.mask[row].bool()]
             assert torch.allclose(got, torch.full_like(got, expected[int(batch.episode_of[row])]), atol=1e-6), name
         assert est.advantages[5].abs().sum() == 0
+    # dynamic sampling drops a group whose episodes score alike: every row of every episode in it
+    alike = ScoredBatch(torch.ones(6), batch.mask, batch.group_size, episode_of=batch.episode_of)
+    assert get_algorithm("grpo").estimate(replace(cfg.algorithm, dynamic_sampling=True), alike).mask.sum() == 0
     # per-turn credit: each row's turn rewards sum to its episode's reward, on its own last policy token
     turns = Scoring(RunConfig(env=EnvConfig(credit="turn")), None).turn_rewards(rollout, scores)
     assert turns.sum(dim=1).tolist() == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0]  # the padding row: none
