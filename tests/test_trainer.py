@@ -192,13 +192,7 @@ def test_kill_mid_step_restarts_in_place_then_fails_fast_and_resume_repeats_the_
         output, took = _ended_by(proc, lambda: os.kill(_actor_pid(run_dir), signal.SIGKILL))
 
     # the restart in place, from the checkpoint of step 2
-    [restart] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
-    print(f"snapshot none: training again {restart['training_again_at'] - killed_at:.1f} s after the kill "
-          f"(restart itself {restart['restart_s']:.1f} s, lost {restart['lost_s']:.1f} s)")
-    assert restart["failed_step"] == 3 and restart["restored_step"] == 2, restart
-    assert restart["from"] == "the checkpoint step_000002"
-    assert "'actor'" in restart["cause"] and "rank 0" in restart["cause"] and "process died" in restart["cause"]
-    assert "trainer fault at step 3" in output
+    _restarted_in_step_3_from(run_dir, output, killed_at, "none", "the checkpoint step_000002")
     restarted = read_metrics(run_dir)  # step 4 never finished: the second kill came in it
     assert [h["step"] for h in restarted] == [1, 2, 3]
     assert [h["trainer/restarts"] for h in restarted] == [0, 0, 1]
@@ -250,13 +244,7 @@ def test_actor_rank_killed_in_step_3_restarts_in_place_and_repeats_the_run(polic
         killed_at = time.time()
         output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output[-4000:]
-    [restart] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
-    print(f"snapshot memory: training again {restart['training_again_at'] - killed_at:.1f} s after the kill "
-          f"(restart itself {restart['restart_s']:.1f} s, lost {restart['lost_s']:.1f} s)")
-    assert restart["failed_step"] == 3 and restart["restored_step"] == 2, restart
-    assert restart["from"] == "the in-memory snapshot"
-    assert "'actor'" in restart["cause"] and "rank 0" in restart["cause"] and "process died" in restart["cause"]
-    assert "trainer fault at step 3" in output
+    _restarted_in_step_3_from(run_dir, output, killed_at, "memory", "the in-memory snapshot")
     metrics = read_metrics(run_dir)
     assert [h["step"] for h in metrics] == [1, 2, 3, 4]
     assert [h["trainer/restarts"] for h in metrics] == [0, 0, 1, 1]
@@ -601,3 +589,15 @@ def test_a_dying_process_ends_the_run_and_leaves_nothing(case, policy, reward_ur
     while (left := _marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, f"left running 30 s after the run ended: {left}"
+
+
+def _restarted_in_step_3_from(run_dir: Path, output: str, killed_at: float, snapshot: str, restored: str) -> None:
+    """The one restart in place the run logged: the actor's rank 0 died in step 3, and training
+    went on from step 2 restored from ``restored``."""
+    [restart] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    print(f"snapshot {snapshot}: training again {restart['training_again_at'] - killed_at:.1f} s after the kill "
+          f"(restart itself {restart['restart_s']:.1f} s, lost {restart['lost_s']:.1f} s)")
+    assert restart["failed_step"] == 3 and restart["restored_step"] == 2, restart
+    assert restart["from"] == restored
+    assert "'actor'" in restart["cause"] and "rank 0" in restart["cause"] and "process died" in restart["cause"]
+    assert "trainer fault at step 3" in output
