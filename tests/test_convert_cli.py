@@ -166,11 +166,18 @@ def test_corrupt_weights_are_refused_by_name(llama_with_side_files, tmp_path, ca
              "model.safetensors is not a readable safetensors file")
 
 
+def _sigint_as_at_a_terminal() -> None:
+    # A suite started in the background (`pytest ... &` from a script) ignores SIGINT, and a child
+    # inherits that: Python then installs no Ctrl-C handler and the conversion runs to its end.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_interrupted_conversion_leaves_nothing_behind(signum, llama_with_side_files, tmp_path, cli):
     out = tmp_path / "out"
     proc = cli.popen("convert", "hf-to-mcore", "--hf", str(llama_with_side_files), "--out", str(out), "--tp", "2",
-                     "--pp", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     "--pp", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     preexec_fn=_sigint_as_at_a_terminal)
     assert "starting 4 rank(s)" in proc.stdout.readline()
     deadline = time.monotonic() + 30  # the ranks are starting: interrupt once the temporary output exists
     while not any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir()):
