@@ -224,11 +224,11 @@ def corrupt_in_flight(param: str) -> None:
     from megarl.reshard import transport
     from megarl.workers import sync_fns
 
-    def faulty_run(group, fragment, params, finalize=None):
+    def faulty_run(group, fragment, params, finalize=None, **options):
         def lookup(name):
             tensor = params(name)
             return tensor * 1.5 + 0.1 if name == param else tensor
-        return transport.run_fragment(group, fragment, lookup, finalize)
+        return transport.run_fragment(group, fragment, lookup, finalize, **options)
 
     sync_fns.run_fragment = faulty_run
 
