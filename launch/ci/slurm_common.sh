@@ -34,6 +34,8 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
-KillWait=10
+# scancel's SIGTERM to SIGKILL: the launcher's cleanup (the driver's teardown, then Ray) fits
+# (at 10 s it once did not: tests/test_launch_two_nodes.py's scancel test; Slurm's default is 30)
+KillWait=20
 SLURM
 }
