@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algorithms.advantages import per_episode
-from megarl.config.roles import TRAINED_ROLES
+from megarl.config.roles import row_split
 from megarl.config.schema import RunConfig
 from megarl.rewards.base import RewardInput
 from megarl.rollout.episodes import Trajectory
@@ -93,12 +93,7 @@ def rows_multiple(cfg: RunConfig) -> int:
     """What a batch's row count must be a multiple of for every role to split it over its
     data-parallel ranks, into minibatches of fixed-size micro-batches: the config check asks it of
     prompts_per_step x n (megarl.validation.rl_checks); a batch whose episodes split has more rows."""
-    out = 1
-    for name, role in cfg.roles().items():
-        steps = cfg.algorithm.minibatches if name in TRAINED_ROLES else 1
-        trimmed = role.max_tokens_per_microbatch is not None or role.pack_sequences or role.share_prompt
-        out = math.lcm(out, role.parallel.data_parallel_size * steps * (1 if trimmed else role.micro_batch_size))
-    return out
+    return math.lcm(*(row_split(name, role, cfg.algorithm.minibatches).multiple for name, role in cfg.roles().items()))
 
 
 def episode_rows(episodes: list[Trajectory], multiple: int = 1) -> tuple[list[Trajectory], list[int]]:

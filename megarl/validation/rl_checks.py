@@ -3,7 +3,7 @@ schedule; every message names the dotted field."""
 
 from __future__ import annotations
 
-from megarl.config.roles import TRAINED_ROLES
+from megarl.config.roles import row_split
 from megarl.config.schema import RunConfig
 from megarl.models.hf_arch import ModelArch
 
@@ -67,16 +67,11 @@ def rl_errors(cfg: RunConfig, actor: ModelArch) -> list[str]:
                       f"exceeds rollout.max_model_len={rollout.max_model_len}")
     sequences = data.prompts_per_step * rollout.n
     for name, role in cfg.roles().items():
-        dp = role.parallel.data_parallel_size
-        per_rank = sequences // dp if sequences % dp == 0 else None
-        steps = algo.minibatches if name in TRAINED_ROLES else 1
-        # cut or packed micro-batches take any number of sequences; fixed ones a multiple
-        trimmed = role.max_tokens_per_microbatch is not None or role.pack_sequences or role.share_prompt
-        fixed = 1 if trimmed else role.micro_batch_size
-        if per_rank is None or per_rank % (steps * fixed):
+        split = row_split(name, role, algo.minibatches)
+        if sequences % split.multiple:
             errors.append(f"{name}: {sequences} sequences per step (data.prompts_per_step x rollout.n) must split "
-                          f"over dp={dp} ranks into {steps} minibatch(es)"
-                          + (f" of micro_batch_size={role.micro_batch_size}" if fixed > 1 else ""))
+                          f"over dp={split.ranks} ranks into {split.minibatches} minibatch(es)"
+                          + (f" of micro_batch_size={split.micro_batch}" if split.micro_batch > 1 else ""))
     if algo.overlong_buffer > rollout.max_tokens:
         errors.append(f"algorithm.overlong_buffer={algo.overlong_buffer} is longer than the responses "
                       f"(rollout.max_tokens={rollout.max_tokens})")
