@@ -98,6 +98,22 @@ class DeltaSide:
     readable: Callable[[str], bool] | None = None
 
 
+def continued(kept: tuple[str, DeltaSide] | None, plan_id: str, mode: Literal["full", "delta"] | None,
+              who: str, readable: Callable[[str], bool] | None = None) -> tuple[str, DeltaSide] | None:
+    """What a rank keeps, under its plan's id, once a sync under ``plan_id`` starts in ``mode``
+    (None: no delta sync, nothing kept): a full sync starts a new ``DeltaSide``, a delta one goes on
+    from the side ``kept`` under the same plan (``who``: the rank, named if there is none)."""
+    if mode is None:
+        return None
+    if mode == "full":
+        return plan_id, DeltaSide("full", readable=readable)
+    if kept is None or kept[0] != plan_id:
+        raise RuntimeError(f"delta weight sync: {who} holds no copy of the last sync under this plan; "
+                           "a full sync must come first (WeightSync.forget)")
+    kept[1].mode, kept[1].readable = "delta", readable
+    return kept
+
+
 def _flat(params: Callable[[str], torch.Tensor], items: list, dtype: torch.dtype) -> torch.Tensor:
     parts = [params(name).narrow(dim, offset, length).to(dtype).reshape(-1) for name, dim, offset, length in items]
     return parts[0] if len(parts) == 1 else torch.cat(parts)

