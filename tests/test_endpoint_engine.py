@@ -353,7 +353,10 @@ def test_agent_episodes_suspended_across_a_sync_go_on_under_the_new_weights(engi
     # The engine is shared, and an interrupt stops every later call of its epoch or below: this
     # module runs before test_episodes, whose calls on the same engine start at epoch 7
     call = submit_episode_requests(engine, requests, sampling, cfg, epoch=5, keep="agents")
+    deadline = time.monotonic() + 120
     while ray.get(engine.sampled_tokens.remote(), timeout=60) < before + 4 * 16:  # the first turns well on
+        # a call interrupted before it started (an epoch at or below one already interrupted) samples nothing
+        assert time.monotonic() < deadline, "the episodes sampled too few tokens in 120 s"
         time.sleep(0.05)
     ray.get(engine.interrupt.remote(5), timeout=60)
     first = ray.get(call, timeout=300)

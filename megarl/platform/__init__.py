@@ -172,12 +172,35 @@ class Platform:
 
     # -- vLLM ----------------------------------------------------------------------------------
 
-    def prepare_vllm_process(self, kv_cache_gib: int, tp: int, cores: int, routing_replay: bool = False) -> None:
-        """Environment vLLM reads when an engine starts. GPU, with routing replay: vLLM's V1 model
+    def vllm_core_inline(self, engine_core: str) -> bool:
+        """Whether vLLM's engine core runs inside the engine's own process (``rollout.engine_core``).
+        auto: inline on CPU, where each of vLLM's processes re-imports vLLM (about 8 s of a 2-core
+        machine each: an inline engine at TP 1 is ready in ~11 s instead of ~25 s, and generates at
+        the same speed, the same tokens); a separate process on GPU, where the core schedules the
+        next step while the GPU runs this one."""
+        return engine_core == "inline" or (engine_core == "auto" and not self.is_gpu)
+
+    @staticmethod
+    def vllm_executor(tp: int, inline_core: bool) -> str:
+        """vLLM's executor: TP workers are processes of their own; an inline core at TP 1 runs its
+        one worker in place too (vLLM on CPU takes that only with the core inline)."""
+        return "uni" if inline_core and tp == 1 else "mp"
+
+    def vllm_actor_env(self, tp: int, cores: int) -> dict[str, str]:
+        """Environment of an engine's Ray actor from its first line. CPU: its threads (Ray would set
+        OMP_NUM_THREADS to the actor's 1 CPU): an inline core at TP 1 computes in this process, and
+        OpenMP reads the count per thread, so it must hold before the process starts any."""
+        return {} if self.is_gpu else {"OMP_NUM_THREADS": str(max(1, cores // tp))}
+
+    def prepare_vllm_process(self, kv_cache_gib: int, tp: int, cores: int, routing_replay: bool = False,
+                             inline_core: bool = False) -> None:
+        """Environment vLLM reads when an engine starts. ``inline_core``: the engine core in this
+        process (``vllm_core_inline``). GPU, with routing replay: vLLM's V1 model
         runner, whose batch fields the route capture reads (``megarl.rollout.vllm_routes``; the V2
         runner, the default on CUDA, has none of them). CPU: a bounded KV cache, no thread pinning
         (TP workers on a small machine would fight over the same cores), and the engine's ``cores``
         split over its TP workers (Ray sets OMP_NUM_THREADS to 1)."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline_core else "1"
         if self.is_gpu:
             # vLLM's engine core and workers are fresh processes: a forked one cannot initialise CUDA
             # once its parent has (a Ray actor that asked torch about the GPU, a test process)

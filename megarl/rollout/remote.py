@@ -9,10 +9,12 @@ from typing import Any
 from megarl.config.schema import RunConfig
 from megarl.data.prompts import PromptItem
 from megarl.envs.base import EpisodeItem, Message
+from megarl.platform import current_platform
 from megarl.rollout.episodes import EpisodeLimits, EpisodeRequest
 from megarl.rollout.sampling import SamplingConfig
 from megarl.rollout.vllm_engine import WATCH_GROUP, VLLMEngine
 from megarl.rollout.vllm_group_serving import INTAKE_GROUP
+from megarl.utils.cores import usable_cores
 from megarl.utils.shares import contiguous_shares
 
 
@@ -31,6 +33,9 @@ def start_engine(model_path: str, tp: int = 1, dtype: str = "float32", name: str
     gpus = (tp if ray.cluster_resources().get("GPU", 0) > 0 else 0) if num_gpus is None else num_gpus
     if gpus:
         options["num_gpus"] = gpus  # vLLM's TP workers are processes under this actor: give it their GPUs
+    threads = engine_kwargs.get("cpu_threads") or usable_cores()
+    if env := current_platform().vllm_actor_env(tp, threads):
+        options["runtime_env"] = {"env_vars": env}
     if name:
         options["name"] = name
     if placement_group is not None:

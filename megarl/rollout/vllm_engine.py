@@ -59,9 +59,10 @@ class VLLMEngine(GroupServing, AgentHosting):
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto", cpu_threads: int | None = None,
                  weights: str = "model", fp8_block: int | None = None, expert_parallel: bool = False,
-                 routing_replay: bool = False):
+                 routing_replay: bool = False, engine_core: str = "auto"):
         platform = current_platform()
-        platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores(), routing_replay)
+        inline_core = platform.vllm_core_inline(engine_core)  # rollout.engine_core
+        platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores(), routing_replay, inline_core)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
@@ -75,7 +76,8 @@ class VLLMEngine(GroupServing, AgentHosting):
         self.llm = LLM(
             model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_num_seqs=max_num_seqs, enforce_eager=True, skip_tokenizer_init=True,
-            distributed_executor_backend="mp", worker_extension_cls=self.worker_extension,
+            distributed_executor_backend=platform.vllm_executor(tp, inline_core),
+            worker_extension_cls=self.worker_extension,
             # R3 records each token's experts as it runs through the model: a cached prefix does not
             enable_prefix_caching=not routing_replay,
             # MoE: experts split whole over the TP ranks (the weight sync follows, vllm_layout)

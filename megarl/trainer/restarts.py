@@ -199,9 +199,8 @@ class Restarts:
                  "the engines leaving the weight sync")
         run.rollout.drain()  # generation the step had started finishes (or stops) before the queue rewinds
         run.colocation.engines_sleep()  # colocated, the new ranks load as after to_training
-        for name, role in own.items():
-            # the loop holds these role objects: they keep their identity and take the new ranks
-            role.group = run._start_role(name, role.cfg, run.slots[name]).group
+        for name, restarted in run.start_roles(list(own)).items():
+            own[name].group = restarted.group  # the loop holds these role objects: they take the new ranks
         for role in run.roles.values():
             if isinstance(role, BaseOfActor):
                 role.group = role.actor.group

@@ -15,6 +15,8 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -126,11 +128,11 @@ class Run:
             # vLLM sizes its KV cache from the device's free memory as it starts: the roles that
             # share its devices load once it has, or its profile counts their weights as its own
             wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
-        for name, role_cfg in cfg.roles().items():
-            if name == "reference" and reference_is_actor_base(cfg):
-                self.roles[name] = BaseOfActor(self.roles["actor"])  # no second copy of the weights
-                continue
-            self.roles[name] = self._start_role(name, role_cfg, slots[name])
+        own = [name for name in cfg.roles() if not (name == "reference" and reference_is_actor_base(cfg))]
+        started = self.start_roles(own)
+        for name in cfg.roles():  # in the config's order (the watchdog's, the pids')
+            # a LoRA actor's reference is its base: no second copy of the weights
+            self.roles[name] = started[name] if name in started else BaseOfActor(started["actor"])
         self.colocation = Colocation(self._colocated_roles(), self.engines, cfg.trainer.collective_timeout_s)
         wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
         service_pid = self.rollout.pid()  # and the service is up
@@ -193,6 +195,7 @@ class Run:
                             load_format="dummy" if self.engines_start_blank else "auto",
                             weights=r.weights, fp8_block=r.fp8_block,
                             expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,
+                            engine_core=r.engine_core,
                             placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
                             num_gpus=slot.gpus_per_rank, cpu_threads=self._cpu_threads(slot))
 
@@ -205,6 +208,32 @@ class Run:
         if current_platform().is_gpu or (tr.max_staleness == 0 and tr.cpu_cores == "auto"):
             return None
         return max(1, int(slot.cpus_per_rank))
+
+    def start_roles(self, names: list[str]) -> dict[str, MegatronRole]:
+        """The named roles, started side by side: each one's ranks come up and load their weights
+        while the others' do (at scale each load reads its own checkpoint for minutes; here the
+        imports and process-group bring-ups overlap). If one fails the others still finish
+        starting and are stopped, and the first failure is raised; an interruption (Ctrl-C) aborts
+        their waits within a second."""
+        started: dict[str, MegatronRole] = {}
+        pool = ThreadPoolExecutor(max_workers=max(1, len(names)), thread_name_prefix="megarl-role-start")
+        starts = {name: pool.submit(self._start_role, name, self.cfg.roles()[name], self.slots[name])
+                  for name in names}
+        try:
+            futures.wait(starts.values())
+        except BaseException:
+            RUN_ABORT.trip("start-up interrupted")
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            started = {name: start.result() for name, start in starts.items()
+                       if not start.cancelled() and start.exception() is None}
+            if any(start.exception() is not None for start in starts.values()):
+                for role in started.values():
+                    role.shutdown(graceful=False)
+        for start in starts.values():
+            start.result()  # the first failure, as it was raised
+        return started
 
     def _start_role(self, name: str, role_cfg, slot) -> MegatronRole:
         from megarl.workers import WorkerGroup

@@ -254,9 +254,13 @@ class WorkerGroup:
             self._teardown("start-up failed")
             raise
         deadline = time.monotonic() + start_timeout_s
-        self.addresses: list[RankAddress] = self._collect(
-            self._send(range(world_size), _where, {}), "start-up", start_timeout_s, starting=True)
-        self._join_process_group(threads_per_rank, deadline, collective_timeout_s)
+        try:
+            self.addresses: list[RankAddress] = self._collect(
+                self._send(range(world_size), _where, {}), "start-up", start_timeout_s, starting=True)
+            self._join_process_group(threads_per_rank, deadline, collective_timeout_s)
+        except BaseException:  # an abort or Ctrl-C (a failure or timeout has stopped the ranks already)
+            self._teardown("start-up interrupted")
+            raise
 
     def _join_process_group(self, threads_per_rank: int | None, deadline: float,
                             collective_timeout_s: float | None) -> None:
