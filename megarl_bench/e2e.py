@@ -27,6 +27,7 @@ from megarl.utils.cores import usable_cores
 from megarl_bench.e2e_records import StepRecord, SystemResult
 
 TARGET_RATIO = 1.5
+STARTUP_TARGET = 2.0  # megarl's start-up to the first step, at most this multiple of TRL's
 TRL_MISSING = ("megarl bench e2e compares against TRL's GRPOTrainer, but the package trl is not installed; "
                "install it with: pip install -e .[bench]")
 
@@ -63,7 +64,8 @@ def summarize(result: SystemResult, warmup: int = 1) -> dict[str, Any]:
             "seconds": seconds, "tokens_per_s": rate,
             "mean_response_tokens": tokens / (timed * result.samples_per_step),
             "reward_first": result.steps[0].reward, "reward_last": result.steps[-1].reward,
-            "overhead_s": result.overhead_s, "step_seconds": [s.seconds for s in result.steps],
+            "overhead_s": result.overhead_s, "startup_s": result.startup_s,
+            "step_seconds": [s.seconds for s in result.steps],
             "step_tokens": [s.tokens for s in result.steps], "step_rewards": [s.reward for s in result.steps],
             "notes": result.notes}
 
@@ -109,7 +111,18 @@ def build_report(setup: dict[str, Any], rounds: list[dict[str, SystemResult]], w
                           **verdict(m["tokens_per_s"], t["tokens_per_s"], target)})
     pm, pt = pooled([r["megarl"] for r in rounds], warmup), pooled([r["trl"] for r in rounds], warmup)
     return {"setup": setup, "rounds": per_round, "pooled": {"megarl": pm, "trl": pt},
-            **verdict(pm["tokens_per_s"], pt["tokens_per_s"], target)}
+            "startup": startup_comparison(rounds), **verdict(pm["tokens_per_s"], pt["tokens_per_s"], target)}
+
+
+def startup_comparison(rounds: list[dict[str, SystemResult]]) -> dict[str, Any] | None:
+    """Start-up to the first step, each side's mean over the rounds, and megarl's as a multiple of
+    TRL's (target at most STARTUP_TARGET); None when a side did not report it."""
+    times = {side: [r[side].startup_s for r in rounds] for side in ("megarl", "trl")}
+    if any(t is None for ts in times.values() for t in ts):
+        return None
+    megarl_s, trl_s = (sum(times[side]) / len(rounds) for side in ("megarl", "trl"))
+    return {"megarl_s": megarl_s, "trl_s": trl_s, "ratio": megarl_s / trl_s, "target": STARTUP_TARGET,
+            "passed": megarl_s / trl_s <= STARTUP_TARGET}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -130,6 +143,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"megarl {p['megarl']['tokens_per_s']:.2f} tokens/s vs TRL {p['trl']['tokens_per_s']:.2f} tokens/s "
                  f"(pooled over rounds): ratio {report['ratio']:.2f} (target >= {report['target']}): "
                  f"{'PASS' if report['passed'] else 'FAIL'}")
+    if start := report.get("startup"):
+        lines.append(f"start-up to the first step (mean over rounds): megarl {start['megarl_s']:.1f} s vs TRL "
+                     f"{start['trl_s']:.1f} s: {start['ratio']:.2f}x (target <= {start['target']:g}x): "
+                     f"{'PASS' if start['passed'] else 'FAIL'}")
     notes = {n for r in report["rounds"] for key in ("megarl", "trl") for n in r[key]["notes"]}
     lines += [f"note: {n}" for n in sorted(notes)] + [f"note: {n}" for n in s["notes"]]
     return "\n".join(lines)
@@ -170,9 +187,10 @@ def run_megarl(cfg) -> SystemResult:
     notes = [f"megarl: vLLM rollout + Megatron actor/reference on Ray, {cfg.actor.precision.dtype}; "
              f"steps include rollout, reward, reference log-probs, update and weight sync; {old}",
              f"megarl micro-batches: {layout}"]
+    startup = next((h["time/startup_s"] for h in history if "time/startup_s" in h), None)
     return SystemResult(system="megarl (vLLM + Megatron)", steps=steps,
                         overhead_s=total - sum(s.seconds for s in steps),
-                        samples_per_step=cfg.data.prompts_per_step * cfg.rollout.n, notes=notes)
+                        samples_per_step=cfg.data.prompts_per_step * cfg.rollout.n, notes=notes, startup_s=startup)
 
 
 def _batching(role) -> str:

@@ -144,6 +144,7 @@ def run_trl(cfg: RunConfig, steps: int, output_dir: Path, progress=print) -> Sys
     from megarl.rewards.combined import RunReward
     from megarl.trainer.run import hf_folder
 
+    imported = time.perf_counter()  # start-up counts from here, as megarl's from its train() call
     settings = grpo_settings(cfg, steps, output_dir, cpu=not torch.cuda.is_available())
     model_dir = hf_folder(cfg.actor.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -183,7 +184,8 @@ def run_trl(cfg: RunConfig, steps: int, output_dir: Path, progress=print) -> Sys
              "completion tokens agree with TRL's logged completions/mean_length x completions: "
              + ("yes" if logged == [s.tokens for s in records] else f"NO (logged {logged})")]
     return SystemResult(system=f"TRL {trl.__version__} (HF generate)", steps=records,
-                        overhead_s=total - sum(s.seconds for s in records), samples_per_step=batch, notes=notes)
+                        overhead_s=total - sum(s.seconds for s in records), samples_per_step=batch, notes=notes,
+                        startup_s=timer.first_began - imported)
 
 
 def run_trl_process(cfg: RunConfig, steps: int, output_dir: Path, threads: int, quiet: bool = False) -> SystemResult:
@@ -207,7 +209,7 @@ def run_trl_process(cfg: RunConfig, steps: int, output_dir: Path, threads: int, 
     records = [StepRecord(**s) for s in data["steps"]]
     # start-up counts from the parent's side: process start and imports included
     return SystemResult(system=data["system"], steps=records, overhead_s=total - sum(s.seconds for s in records),
-                        samples_per_step=data["samples_per_step"], notes=data["notes"])
+                        samples_per_step=data["samples_per_step"], notes=data["notes"], startup_s=data["startup_s"])
 
 
 def _trl_child(cfg: RunConfig, steps: int, output_dir: str, threads: int, quiet: bool, result_path: str) -> None:
@@ -233,10 +235,12 @@ class _StepTimer:
         self.rewards: list[float] = []
         self.logged_mean_lengths: list[float] = []
         self._began = 0.0
+        self.first_began = 0.0  # when the first step started
 
         class Callback(callback_base):
             def on_step_begin(self, args, state, control, **kwargs):
                 timer._began = time.perf_counter()
+                timer.first_began = timer.first_began or timer._began
 
             def on_step_end(self, args, state, control, **kwargs):
                 timer.seconds.append(time.perf_counter() - timer._began)

@@ -19,9 +19,10 @@ from megarl_bench.e2e import (
 from megarl_bench.e2e_trl import grpo_settings
 
 
-def _result(name: str, steps: list[tuple[int, float, float]], overhead: float = 30.0) -> SystemResult:
+def _result(name: str, steps: list[tuple[int, float, float]], overhead: float = 30.0,
+            startup: float | None = None) -> SystemResult:
     return SystemResult(system=name, steps=[StepRecord(t, s, r) for t, s, r in steps], overhead_s=overhead,
-                        samples_per_step=10, notes=[f"{name} note"])
+                        samples_per_step=10, notes=[f"{name} note"], startup_s=startup)
 
 
 def test_throughput_leaves_out_the_warmup_step():
@@ -76,6 +77,21 @@ def test_report_pools_rounds_and_judges_the_ratio_against_the_target():
 
     report = build_report(setup, rounds[:1])
     assert report["passed"] and "ratio 2.50 (target >= 1.5): PASS" in format_table(report)
+    assert report["startup"] is None and "start-up" not in format_table(report)  # a side did not report it
+
+
+def test_report_sets_the_start_up_beside_trls():
+    """Start-up to the first step: each side's mean over the rounds, megarl's as a multiple of TRL's."""
+    steps = [(500, 90, 0.2), (150, 30, 0.3)]
+    rounds = [{"order": ("megarl", "trl"), "megarl": _result("megarl", steps, startup=30.0),
+               "trl": _result("trl", steps, startup=10.0)},
+              {"order": ("trl", "megarl"), "megarl": _result("megarl", steps, startup=20.0),
+               "trl": _result("trl", steps, startup=14.0)}]
+    report = build_report({"task": "t", "steps": 2, "threads": 2, "cores": 2, "notes": []}, rounds)
+    assert report["startup"] == {"megarl_s": 25.0, "trl_s": 12.0, "ratio": 25 / 12, "target": 2.0, "passed": False}
+    assert "megarl 25.0 s vs TRL 12.0 s: 2.08x (target <= 2x): FAIL" in format_table(report)
+    assert report["rounds"][1]["megarl"]["startup_s"] == 20.0
+
 
 
 def _demo_config(*overrides: str):

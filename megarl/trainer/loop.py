@@ -26,8 +26,10 @@ from megarl.workers.rl_fns import train_policy, train_value
 
 
 def train(cfg: RunConfig) -> list[dict]:
+    called = time.perf_counter()
     with Run(cfg).build() as run:  # on the way out, every process of the run is stopped
         start = run.resume()
+        startup = {"time/startup_s": time.perf_counter() - called}  # to the first step (the evaluation apart)
         log = run.logger(resume_step=start)
         rollout, device = run.rollout, run.colocation  # the rollout service, the device's hand-overs
         actor, reference, critic = run.roles["actor"], run.roles.get("reference"), run.roles.get("critic")
@@ -93,6 +95,7 @@ def train(cfg: RunConfig) -> list[dict]:
                 metrics |= timing(run.phase_times, batch, time.perf_counter() - began, offloaded, generating,
                                   len(run.engines))
                 metrics |= rollout_metrics(samples, run.step) | run.evaluate()  # eval: every eval.every steps, the last
+                metrics, startup = metrics | startup, {}  # start-up: with this process's first step
                 log.log(run.step, metrics | restarts.metrics())
                 if cfg.trainer.save_every and run.step % cfg.trainer.save_every == 0 and run.step < cfg.trainer.steps:
                     run.save()
