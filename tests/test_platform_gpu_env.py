@@ -7,7 +7,9 @@ needed: these are the settings a bare H200 run showed to be required, containers
   reads the V1 runner's host-side batch);
 - torch's expandable segments, which vLLM's sleep-mode allocator refuses, are dropped from the
   engine process's allocator settings and the others kept;
-- VLLM_ATTENTION_BACKEND, which vLLM no longer reads itself, names the attention backend."""
+- VLLM_ATTENTION_BACKEND, which vLLM no longer reads itself, names the attention backend;
+- rollout.engine_core=auto keeps vLLM's engine core a process of its own on GPU (it schedules the
+  next step while the GPU runs this one) and runs it inline on CPU (tests/test_rollout.py runs it)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from megarl.platform import Platform, current_platform
 
 CUDA = Platform(name="cuda", backend="nccl", has_transformer_engine=False)
 VARS = ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_V2_MODEL_RUNNER", "PYTORCH_CUDA_ALLOC_CONF",
-        "VLLM_ATTENTION_BACKEND")
+        "VLLM_ATTENTION_BACKEND", "VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
 @pytest.fixture
@@ -118,3 +120,17 @@ def test_no_fused_softmax_without_its_cuda_extensions(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match="softmax_cuda"):  # what the run died of: the kernel's
         softmax(True).is_kernel_available(None, 2, 4, 32, 32)       # own shape check imports it
     assert not softmax(cfg.masked_softmax_fusion).is_kernel_available(None, 2, 4, 32, 32)
+
+
+def test_the_engine_core_is_a_process_on_gpu_and_inline_on_cpu(env):
+    cpu = current_platform()
+    assert not CUDA.vllm_core_inline("auto") and cpu.vllm_core_inline("auto")
+    assert CUDA.vllm_core_inline("inline") and not cpu.vllm_core_inline("process")
+    # an inline core at TP 1 runs its worker in place; TP workers are always processes of their own
+    assert [CUDA.vllm_executor(tp, inline) for tp, inline in ((1, True), (1, False), (2, True))] == ["uni", "mp", "mp"]
+    CUDA.prepare_vllm_process(kv_cache_gib=1, tp=1, cores=2, inline_core=False)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    CUDA.prepare_vllm_process(kv_cache_gib=1, tp=1, cores=2, inline_core=True)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # the engine actor's threads from its first line on CPU (Ray would give it OMP_NUM_THREADS=1)
+    assert cpu.vllm_actor_env(tp=1, cores=2) == {"OMP_NUM_THREADS": "2"} and CUDA.vllm_actor_env(1, 2) == {}
