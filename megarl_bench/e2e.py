@@ -187,10 +187,22 @@ def run_megarl(cfg) -> SystemResult:
     notes = [f"megarl: vLLM rollout + Megatron actor/reference on Ray, {cfg.actor.precision.dtype}; "
              f"steps include rollout, reward, reference log-probs, update and weight sync; {old}",
              f"megarl micro-batches: {layout}"]
+    # the driver's imports, which this process did before train(): timed in a fresh interpreter
     startup = next((h["time/startup_s"] for h in history if "time/startup_s" in h), None)
+    startup = None if startup is None else startup + fresh_import_seconds("megarl.trainer.loop")
     return SystemResult(system="megarl (vLLM + Megatron)", steps=steps,
                         overhead_s=total - sum(s.seconds for s in steps),
                         samples_per_step=cfg.data.prompts_per_step * cfg.rollout.n, notes=notes, startup_s=startup)
+
+
+def fresh_import_seconds(module: str) -> float:
+    """Seconds a fresh Python takes to import ``module`` (interpreter start excluded)."""
+    import subprocess
+    import sys
+
+    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def _batching(role) -> str:

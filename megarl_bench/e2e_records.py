@@ -19,6 +19,7 @@ class SystemResult:
     overhead_s: float  # wall time outside the steps: start-up, final checkpoint, shutdown
     samples_per_step: int  # responses generated per step (prompts per step x group size)
     notes: list[str] = field(default_factory=list)
-    # from the call (its packages imported) to the first step's start: models loaded, processes up;
+    # to the first step's start, imports included: TRL from its fresh process's first line; megarl
+    # from train()'s call (time/startup_s) plus its driver's imports timed in a fresh interpreter;
     # megarl's held-out evaluation before training not included (TRL has none)
     startup_s: float | None = None

@@ -144,7 +144,6 @@ def run_trl(cfg: RunConfig, steps: int, output_dir: Path, progress=print) -> Sys
     from megarl.rewards.combined import RunReward
     from megarl.trainer.run import hf_folder
 
-    imported = time.perf_counter()  # start-up counts from here, as megarl's from its train() call
     settings = grpo_settings(cfg, steps, output_dir, cpu=not torch.cuda.is_available())
     model_dir = hf_folder(cfg.actor.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -185,7 +184,7 @@ def run_trl(cfg: RunConfig, steps: int, output_dir: Path, progress=print) -> Sys
              + ("yes" if logged == [s.tokens for s in records] else f"NO (logged {logged})")]
     return SystemResult(system=f"TRL {trl.__version__} (HF generate)", steps=records,
                         overhead_s=total - sum(s.seconds for s in records), samples_per_step=batch, notes=notes,
-                        startup_s=timer.first_began - imported)
+                        startup_s=timer.first_began - started)  # its imports included, as megarl's
 
 
 def run_trl_process(cfg: RunConfig, steps: int, output_dir: Path, threads: int, quiet: bool = False) -> SystemResult:
