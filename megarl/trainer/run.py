@@ -215,25 +215,26 @@ class Run:
         imports and process-group bring-ups overlap). If one fails the others still finish
         starting and are stopped, and the first failure is raised; an interruption (Ctrl-C) aborts
         their waits within a second."""
-        started: dict[str, MegatronRole] = {}
         pool = ThreadPoolExecutor(max_workers=max(1, len(names)), thread_name_prefix="megarl-role-start")
         starts = {name: pool.submit(self._start_role, name, self.cfg.roles()[name], self.slots[name])
                   for name in names}
+        interrupted = True
         try:
             futures.wait(starts.values())
+            interrupted = False
         except BaseException:
             RUN_ABORT.trip("start-up interrupted")
             raise
         finally:
-            pool.shutdown(wait=True)
-            started = {name: start.result() for name, start in starts.items()
-                       if not start.cancelled() and start.exception() is None}
-            if any(start.exception() is not None for start in starts.values()):
-                for role in started.values():
-                    role.shutdown(graceful=False)
-        for start in starts.values():
-            start.result()  # the first failure, as it was raised
-        return started
+            pool.shutdown(wait=True)  # every start has ended (one thread each: none waits its turn)
+            failed = [start.exception() for start in starts.values() if start.exception() is not None]
+            if failed or interrupted:  # the roles that did start are stopped: no one else knows them
+                for start in starts.values():
+                    if start.exception() is None:
+                        start.result().shutdown(graceful=False)
+        if failed:
+            raise failed[0]
+        return {name: start.result() for name, start in starts.items()}
 
     def _start_role(self, name: str, role_cfg, slot) -> MegatronRole:
         from megarl.workers import WorkerGroup
