@@ -48,7 +48,7 @@ setup(
         # import-linter: the layer contracts in pyproject.toml, checked by tests/test_layers.py
         # trl: the oracle of the SFT / reward-model / DPO losses (tests/test_preference.py)
         # peft: the oracle of megarl's LoRA adapters (tests/test_lora.py); not a runtime dependency
-        "test": ["pytest", "ruff", "import-linter==2.16", "trl==1.16.0", "peft==0.21.0"],
+        "test": ["pytest", "pytest-xdist", "ruff", "import-linter==2.16", "trl==1.16.0", "peft==0.21.0"],
         # `megarl bench e2e` compares against TRL's GRPOTrainer; not part of the CI install
         "bench": ["trl==1.16.0"],
     },

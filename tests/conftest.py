@@ -48,8 +48,23 @@ def pytest_configure(config):
                                        "(set from the fixtures a test uses); the inner loop is -m 'not integration'")
 
 
+# The longest modules, longest first (seconds on 2 cores, one process, from `--durations=0`). The
+# suite runs as two pytest-xdist workers, each taking whole modules in collection order
+# (`--dist loadfile --no-loadscope-reorder` in pyproject.toml): starting the longest ones first
+# keeps either worker from ending with a long module alone. Each module's tests keep their order.
+LONGEST_MODULES = ("test_trainer", "test_fleet_survival", "test_weight_sync", "test_benchmarks_end_to_end",
+                   "test_weight_sync_moe", "test_convert_cli", "test_supervised", "test_launch_two_nodes",
+                   "test_parity")
+
+
+def _longest_first(item: pytest.Item) -> int:
+    name = Path(str(item.fspath)).stem
+    return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_longest_first)  # stable: the other modules, and each module's tests, keep their order
     for item in items:
         if INTEGRATION_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.integration)
@@ -514,6 +529,18 @@ def cli_train_run(cli: Cli, overrides: list[str], env: dict[str, str] | None = N
 def read_metrics(run_dir: Path) -> list[dict]:
     """A run's metrics.jsonl, one dict per step."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+_NEXT_EPOCH = [1]
+
+
+def fresh_epochs(count: int) -> int:
+    """The first of ``count`` interrupt epochs that no earlier test of this process used: an engine's
+    ``interrupt(epoch)`` stops every later call of that epoch or below, so tests that share an engine
+    each take epochs above all those used before them, whatever order the modules run in."""
+    first = _NEXT_EPOCH[0]
+    _NEXT_EPOCH[0] += count
+    return first
 
 
 def continue_at_version_1(engine, keep: str, sampling, epoch: int) -> list:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import continue_at_version_1
+from conftest import continue_at_version_1, fresh_epochs
 
 from megarl.config.schema import EnvConfig, RunConfig
 from megarl.envs.base import EpisodeItem
@@ -350,19 +350,19 @@ def test_agent_episodes_suspended_across_a_sync_go_on_under_the_new_weights(engi
     sampling = SamplingConfig(temperature=1.0, max_tokens=24, n=2, stop_token_ids=[2], seed=23, weight_version=0)
     requests = episode_requests(ITEMS[:2], sampling, cfg)
     before = ray.get(engine.sampled_tokens.remote(), timeout=60)
-    # The engine is shared, and an interrupt stops every later call of its epoch or below: this
-    # module runs before test_episodes, whose calls on the same engine start at epoch 7
-    call = submit_episode_requests(engine, requests, sampling, cfg, epoch=5, keep="agents")
+    # the engine is shared, and an interrupt stops every later call of its epoch or below
+    epoch = fresh_epochs(2)
+    call = submit_episode_requests(engine, requests, sampling, cfg, epoch=epoch, keep="agents")
     deadline = time.monotonic() + 120
     while ray.get(engine.sampled_tokens.remote(), timeout=60) < before + 4 * 16:  # the first turns well on
         # a call interrupted before it started (an epoch at or below one already interrupted) samples nothing
         assert time.monotonic() < deadline, "the episodes sampled too few tokens in 120 s"
         time.sleep(0.05)
-    ray.get(engine.interrupt.remote(5), timeout=60)
+    ray.get(engine.interrupt.remote(epoch), timeout=60)
     first = ray.get(call, timeout=300)
     waiting = [i for i, t in enumerate(first) if t is None]
     assert waiting and all(set(t.versions) == {0} for t in first if t is not None)
-    rest = continue_at_version_1(engine, "agents", sampling, 6)
+    rest = continue_at_version_1(engine, "agents", sampling, epoch + 1)
     assert len(rest) == len(waiting) and all(t is not None and not t.error for t in rest), rest
     assert any(1 in t.versions for t in rest)
     for t in rest:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import continue_at_version_1
+from conftest import continue_at_version_1, fresh_epochs
 from engine_progress import sampled_tokens, wait_for_tokens
 
 from megarl.config.schema import EnvConfig, RewardTermConfig, RunConfig, ToolConfig
@@ -129,6 +129,8 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
 
     requests, sampling, cfg = _interruptible_requests()
 
+    base = fresh_epochs(5)
+
     def interrupted(epoch: int, keep: str | None = None) -> list:
         before = sampled_tokens(engine)
         call = submit_episode_requests(engine, requests, replace(sampling, weight_version=0), cfg, epoch, keep)
@@ -140,12 +142,12 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
                    for t in out if t is not None)
         return out
 
-    interrupted(7)  # regenerate: dropped, nothing kept
+    interrupted(base)  # regenerate: dropped, nothing kept
     with pytest.raises(ray.exceptions.RayTaskError, match="no episodes suspended as 'b1'"):
-        ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), 8), timeout=60)
-    out = interrupted(9, keep="b1")
+        ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), base + 1), timeout=60)
+    out = interrupted(base + 2, keep="b1")
     waiting = [i for i, t in enumerate(out) if t is None]
-    rest = continue_at_version_1(engine, "b1", sampling, 10)
+    rest = continue_at_version_1(engine, "b1", sampling, base + 3)
     assert len(rest) == len(waiting) and all(t is not None for t in rest)
     spanning = [t for t in rest if set(t.versions) == {0, 1}]
     assert spanning, [sorted(set(t.versions)) for t in rest]
@@ -154,7 +156,7 @@ def test_an_interrupt_drops_or_suspends_the_unfinished_episodes_and_continue_goe
         assert t.finish_reason in ("done", "length", "turns", "env_error") and t.versions == sorted(t.versions)
     assert _worst_logprob_gap(hf_model, spanning[:3]) < 1e-3
     with pytest.raises(ray.exceptions.RayTaskError, match="no episodes suspended as 'b1'"):  # all taken
-        ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), 11), timeout=60)
+        ray.get(engine.continue_episodes.remote("b1", replace(sampling, n=1), base + 4), timeout=60)
 
 
 def test_streamed_episode_groups_are_cut_by_an_interrupt_and_go_on_where_they_wait(engine, hf_model, tokenizer):
@@ -175,6 +177,8 @@ def test_streamed_episode_groups_are_cut_by_an_interrupt_and_go_on_where_they_wa
     cfg.env.max_concurrent_episodes = 8  # four groups run, two wait
     at_v0 = replace(sampling, weight_version=0)
 
+    base = fresh_epochs(4)
+
     def cut_short(epoch: int, suspend: bool):
         before = sampled_tokens(engine)
         streams = open_episode_group_streams([engine], groups, at_v0, cfg, epoch, suspend)
@@ -186,19 +190,19 @@ def test_streamed_episode_groups_are_cut_by_an_interrupt_and_go_on_where_they_wa
                    for g in got for t in got[g] if t is not None)
         return streams, got
 
-    streams, got = cut_short(20, suspend=False)
+    streams, got = cut_short(base, suspend=False)
     assert any(t is None for g in got for t in got[g])
     with pytest.raises(ray.exceptions.RayTaskError, match="no episodes suspended"):  # dropped
-        ray.get(engine.continue_episodes.remote(suspended_name(streams.streams[0]), replace(sampling, n=1), 21),
+        ray.get(engine.continue_episodes.remote(suspended_name(streams.streams[0]), replace(sampling, n=1), base + 1),
                 timeout=60)
 
-    streams, got = cut_short(22, suspend=True)
+    streams, got = cut_short(base + 2, suspend=True)
     cut = [(g, i) for g in sorted(got) for i, t in enumerate(got[g]) if t is None]  # in the order sent
     assert cut, "the interrupt cut no episode"
     ray.get(engine.set_weight_version.remote(1), timeout=60)  # as a weight sync leaves it
     try:
         rest = ray.get(engine.continue_episodes.remote(suspended_name(streams.streams[0]),
-                                                       replace(sampling, n=1, weight_version=1), 23), timeout=300)
+                                                       replace(sampling, n=1, weight_version=1), base + 3), timeout=300)
     finally:
         ray.get(engine.set_weight_version.remote(0), timeout=60)
     assert len(rest) == len(cut) and all(t is not None for t in rest)
