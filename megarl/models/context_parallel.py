@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.platform.cp_attention import global_positions, own_share, to_sequence_order
+from megarl.platform.cp_chunks import global_positions, own_share, to_sequence_order
 
 
 def sequence_multiple(tp: int, sequence_parallel: bool, cp: int) -> int:

@@ -15,8 +15,6 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from megarl.trainer.colocation import Colocation
 from megarl.trainer.engine_faults import checks_since, waiting_on_engines
 from megarl.trainer.evaluation import Evaluator
 from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.role_starts import RoleStarts
 from megarl.trainer.roles import BaseOfActor, MegatronRole, reference_is_actor_base
 from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
@@ -115,21 +114,29 @@ class Run:
         self.engines_start_blank = not any(actor_hf.glob("*.safetensors"))
         self.engines_start_blank |= cfg.rollout.weights != "model"  # FP8 quantization happens in the sync
         self.engines = self._start_engines(actor_hf, slots["rollout"])
-        tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
-        dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
-        # an engine replaced before the first batch is checked on some text
-        self.check_tokens = torch.tensor([tokenizer("A replaced rollout engine scores this text as the actor does.")
-                                          ["input_ids"]])
-        self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
-        self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
-        # paused until the first sync where the engines start without the policy's weights
-        self.outside = start_outside_endpoint(cfg, self.engines, str(actor_hf), paused=self.engines_start_blank)
-        if cfg.rollout.colocate_with is not None:
-            # vLLM sizes its KV cache from the device's free memory as it starts: the roles that
-            # share its devices load once it has, or its profile counts their weights as its own
-            wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
         own = [name for name in cfg.roles() if not (name == "reference" and reference_is_actor_base(cfg))]
-        started = self.start_roles(own)
+        # The roles come up while the driver reads its data and starts the rollout service, except
+        # where they share the engines' devices: vLLM sizes its KV cache from the device's free
+        # memory as it starts, so those load once it has, or its profile counts their weights as its own.
+        roles = None if cfg.rollout.colocate_with is not None else RoleStarts(own, self._start_named_role)
+        try:
+            tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
+            dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
+            # an engine replaced before the first batch is checked on some text
+            self.check_tokens = torch.tensor([tokenizer("A replaced rollout engine scores this text as the actor does.")
+                                              ["input_ids"]])
+            self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
+            self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
+            # paused until the first sync where the engines start without the policy's weights
+            self.outside = start_outside_endpoint(cfg, self.engines, str(actor_hf), paused=self.engines_start_blank)
+            if roles is None:
+                wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
+                roles = RoleStarts(own, self._start_named_role)
+            started = roles.result()
+        except BaseException:
+            if roles is not None:
+                roles.cancel()  # those that came up are stopped: the run knows only roles it holds
+            raise
         for name in cfg.roles():  # in the config's order (the watchdog's, the pids')
             # a LoRA actor's reference is its base: no second copy of the weights
             self.roles[name] = started[name] if name in started else BaseOfActor(started["actor"])
@@ -210,31 +217,11 @@ class Run:
         return max(1, int(slot.cpus_per_rank))
 
     def start_roles(self, names: list[str]) -> dict[str, MegatronRole]:
-        """The named roles, started side by side: each one's ranks come up and load their weights
-        while the others' do (at scale each load reads its own checkpoint for minutes; here the
-        imports and process-group bring-ups overlap). If one fails the others still finish
-        starting and are stopped, and the first failure is raised; an interruption (Ctrl-C) aborts
-        their waits within a second."""
-        pool = ThreadPoolExecutor(max_workers=max(1, len(names)), thread_name_prefix="megarl-role-start")
-        starts = {name: pool.submit(self._start_role, name, self.cfg.roles()[name], self.slots[name])
-                  for name in names}
-        interrupted = True
-        try:
-            futures.wait(starts.values())
-            interrupted = False
-        except BaseException:
-            RUN_ABORT.trip("start-up interrupted")
-            raise
-        finally:
-            pool.shutdown(wait=True)  # every start has ended (one thread each: none waits its turn)
-            failed = [start.exception() for start in starts.values() if start.exception() is not None]
-            if failed or interrupted:  # the roles that did start are stopped: no one else knows them
-                for start in starts.values():
-                    if start.exception() is None:
-                        start.result().shutdown(graceful=False)
-        if failed:
-            raise failed[0]
-        return {name: start.result() for name, start in starts.items()}
+        """The named roles, started side by side (``RoleStarts``: if one fails the others are stopped)."""
+        return RoleStarts(names, self._start_named_role).result()
+
+    def _start_named_role(self, name: str) -> MegatronRole:
+        return self._start_role(name, self.cfg.roles()[name], self.slots[name])
 
     def _start_role(self, name: str, role_cfg, slot) -> MegatronRole:
         from megarl.workers import WorkerGroup
