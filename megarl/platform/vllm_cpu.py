@@ -148,5 +148,6 @@ def rotary_heads_on_cpu() -> None:
         return kernel(self, positions, query, key)
 
     forward_cpu.megarl_shim = True
+    forward_cpu.megarl_original = kernel  # what vLLM had (tests compare the two)
     # a layer binds its forward when it is built (CustomOp.dispatch_forward): in place before vLLM builds the model
     RotaryEmbedding.forward_cpu = forward_cpu

@@ -97,8 +97,6 @@ class Run:
         self.shutdown(graceful=exc_type is None)
 
     def _build(self) -> Run:
-        from transformers import AutoTokenizer
-
         from megarl.cluster.placement import place
         from megarl.cluster.ray_env import ensure_ray
         from megarl.rollout.remote import wait_ready
@@ -120,6 +118,8 @@ class Run:
         # memory as it starts, so those load once it has, or its profile counts their weights as its own.
         roles = None if cfg.rollout.colocate_with is not None else RoleStarts(own, self._start_named_role)
         try:
+            from transformers import AutoTokenizer  # 2 s of imports: while the engines and roles start
+
             tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
             dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
             # an engine replaced before the first batch is checked on some text
