@@ -42,24 +42,7 @@ INTEGRATION_FIXTURES = frozenset({"ray_session", "smollm2_engine", "groups", "ac
                                   "subprocesses", "starts_processes"})
 
 
-def _own_cores_per_worker() -> None:
-    """Under pytest-xdist each worker keeps to its share of the cores (worker i of n: every n-th
-    core from the i-th), and so does everything it starts (Ray, engines, ranks inherit the mask);
-    megarl sizes its threads from the mask (megarl.utils.cores). Unpinned, two workers' processes
-    each ran as many OpenMP threads as there are cores, and a thread preempted mid-region stalls
-    its whole region: the same tests took 1.6x their one-process time."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    share = cores[int(worker[2:]) % int(count)::int(count)]
-    if share and len(cores) >= int(count):
-        os.sched_setaffinity(0, share)
-        torch.set_num_threads(len(share))  # this process's own compute (the fast tier's) too
-
-
 def pytest_configure(config):
-    _own_cores_per_worker()
     config.addinivalue_line("markers", "gpu: needs CUDA (Transformer Engine, FP8, NCCL); skipped without it")
     config.addinivalue_line("markers", "integration: starts Ray, SPMD ranks, a vLLM engine or a subprocess "
                                        "(set from the fixtures a test uses); the inner loop is -m 'not integration'")
