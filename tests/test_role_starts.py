@@ -1,15 +1,17 @@
-"""Roles starting in the background while the driver goes on (megarl.trainer.role_starts): what
-comes up is returned, or stopped when a start or the driver fails. The roles here are plain
-objects; the real roles' start is the RL runs' (tests/test_trainer.py), whose start-up this is."""
+"""Roles starting side by side (megarl.trainer.role_starts): what comes up is returned, or stopped
+when a start fails or the wait is interrupted. The roles here are plain objects; the real roles'
+start is the RL runs' (tests/test_trainer.py), and its restarts in place."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
-from megarl.trainer.role_starts import RoleStarts
+from megarl.trainer.role_starts import start_side_by_side
 from megarl.utils.abort import RUN_ABORT, Aborted
 
 
@@ -29,7 +31,7 @@ def _abort_reset():
     RUN_ABORT.reset()
 
 
-def test_the_roles_start_side_by_side_while_the_caller_goes_on():
+def test_the_roles_start_side_by_side():
     both_running = threading.Barrier(2, timeout=10)  # each start waits for the other: side by side
     made = {}
 
@@ -38,13 +40,11 @@ def test_the_roles_start_side_by_side_while_the_caller_goes_on():
         made[name] = Role(name)
         return made[name]
 
-    starts = RoleStarts(["actor", "reference"], start)
-    started = starts.result()  # the constructor returned before the starts ended
+    started = start_side_by_side(["actor", "reference"], start)
     assert started == made and not any(r.stopped for r in started.values())
-    starts.cancel()  # after result(): nothing left to stop
 
 
-def test_a_failed_start_stops_the_others_and_is_raised_once():
+def test_a_failed_start_stops_the_others_and_is_raised():
     made = {}
 
     def start(name: str) -> Role:
@@ -54,14 +54,12 @@ def test_a_failed_start_stops_the_others_and_is_raised_once():
         made[name] = Role(name)
         return made[name]
 
-    starts = RoleStarts(["actor", "critic", "reference"], start)
     with pytest.raises(RuntimeError, match="critic rank 0 died"):
-        starts.result()
+        start_side_by_side(["actor", "critic", "reference"], start)
     assert set(made) == {"actor", "reference"} and all(r.stopped for r in made.values())
-    starts.cancel()  # the caller's own error handling after the failure: a no-op
 
 
-def test_cancel_ends_starts_still_waiting_and_stops_those_up():
+def test_ctrl_c_ends_the_starts_still_waiting_and_stops_those_up():
     made = {}
 
     def start(name: str) -> Role:
@@ -70,13 +68,13 @@ def test_cancel_ends_starts_still_waiting_and_stops_those_up():
                 RUN_ABORT.check()
                 time.sleep(0.01)
         made[name] = Role(name)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the caller waits
         return made[name]
 
-    starts = RoleStarts(["actor", "reference"], start)
-    time.sleep(0.1)
     began = time.monotonic()
-    starts.cancel()  # the driver failed reading its data
+    with pytest.raises(KeyboardInterrupt):
+        start_side_by_side(["actor", "reference"], start)
     assert time.monotonic() - began < 5
-    assert made["actor"].stopped and RUN_ABORT.reason is not None
+    assert made["actor"].stopped and RUN_ABORT.reason == "start-up interrupted"
     with pytest.raises(Aborted):
         RUN_ABORT.check()

@@ -35,7 +35,7 @@ from megarl.trainer.colocation import Colocation
 from megarl.trainer.engine_faults import checks_since, waiting_on_engines
 from megarl.trainer.evaluation import Evaluator
 from megarl.trainer.metrics import MetricsLogger
-from megarl.trainer.role_starts import RoleStarts
+from megarl.trainer.role_starts import start_side_by_side
 from megarl.trainer.roles import BaseOfActor, MegatronRole, reference_is_actor_base
 from megarl.utils.abort import RUN_ABORT, Aborted, wait_all
 from megarl.utils.atomic import write_text_atomic
@@ -112,31 +112,23 @@ class Run:
         self.engines_start_blank = not any(actor_hf.glob("*.safetensors"))
         self.engines_start_blank |= cfg.rollout.weights != "model"  # FP8 quantization happens in the sync
         self.engines = self._start_engines(actor_hf, slots["rollout"])
-        own = [name for name in cfg.roles() if not (name == "reference" and reference_is_actor_base(cfg))]
-        # The roles come up while the driver reads its data and starts the rollout service, except
-        # where they share the engines' devices: vLLM sizes its KV cache from the device's free
-        # memory as it starts, so those load once it has, or its profile counts their weights as its own.
-        roles = None if cfg.rollout.colocate_with is not None else RoleStarts(own, self._start_named_role)
-        try:
-            from transformers import AutoTokenizer  # 2 s of imports: while the engines and roles start
+        from transformers import AutoTokenizer  # 2 s of imports: while the engine starts
 
-            tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
-            dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
-            # an engine replaced before the first batch is checked on some text
-            self.check_tokens = torch.tensor([tokenizer("A replaced rollout engine scores this text as the actor does.")
-                                              ["input_ids"]])
-            self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
-            self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
-            # paused until the first sync where the engines start without the policy's weights
-            self.outside = start_outside_endpoint(cfg, self.engines, str(actor_hf), paused=self.engines_start_blank)
-            if roles is None:
-                wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
-                roles = RoleStarts(own, self._start_named_role)
-            started = roles.result()
-        except BaseException:
-            if roles is not None:
-                roles.cancel()  # those that came up are stopped: the run knows only roles it holds
-            raise
+        tokenizer, reward = AutoTokenizer.from_pretrained(str(actor_hf)), RunReward(cfg.rewards)
+        dataset = prompt_dataset(cfg.data)  # read here: bad data fails now, not in the service
+        # an engine replaced before the first batch is checked on some text
+        self.check_tokens = torch.tensor([tokenizer("A replaced rollout engine scores this text as the actor does.")
+                                          ["input_ids"]])
+        self.evaluator = Evaluator(cfg, self.engines, tokenizer, reward)  # reads every eval set: bad data fails now
+        self.rollout = start_rollout_service(cfg, self.engines, tokenizer, dataset, reward)
+        # paused until the first sync where the engines start without the policy's weights
+        self.outside = start_outside_endpoint(cfg, self.engines, str(actor_hf), paused=self.engines_start_blank)
+        if cfg.rollout.colocate_with is not None:
+            # vLLM sizes its KV cache from the device's free memory as it starts: the roles that
+            # share its devices load once it has, or its profile counts their weights as its own
+            wait_ready(self.engines, timeout_s=cfg.trainer.step_timeout_s)
+        own = [name for name in cfg.roles() if not (name == "reference" and reference_is_actor_base(cfg))]
+        started = self.start_roles(own)
         for name in cfg.roles():  # in the config's order (the watchdog's, the pids')
             # a LoRA actor's reference is its base: no second copy of the weights
             self.roles[name] = started[name] if name in started else BaseOfActor(started["actor"])
@@ -217,8 +209,8 @@ class Run:
         return max(1, int(slot.cpus_per_rank))
 
     def start_roles(self, names: list[str]) -> dict[str, MegatronRole]:
-        """The named roles, started side by side (``RoleStarts``: if one fails the others are stopped)."""
-        return RoleStarts(names, self._start_named_role).result()
+        """The named roles, started side by side (if one fails the others are stopped)."""
+        return start_side_by_side(names, self._start_named_role)
 
     def _start_named_role(self, name: str) -> MegatronRole:
         return self._start_role(name, self.cfg.roles()[name], self.slots[name])
