@@ -307,7 +307,13 @@ class Run:
         if not every and (mode == "never" or (mode == "first" and self.step > 1)):
             return {}
         tokens = batch.tokens[:2] if batch is not None else self.check_tokens
-        report = self.sync.verify(tokens, tolerance=self.cfg.trainer.verify_tolerance)
+        from megarl.workers.weight_sync import sync_check_bounds
+
+        precision, trainer = self.cfg.actor.precision, self.cfg.trainer
+        actor_dtype = precision.dtype if precision.fp8 is None else "fp8"  # Transformer Engine's FP8 GEMMs
+        tolerance, mult_error = sync_check_bounds((actor_dtype, self.cfg.rollout.dtype), trainer.verify_tolerance,
+                                                  trainer.verify_mult_error)
+        report = self.sync.verify(tokens, tolerance=tolerance, mult_error=mult_error)
         return {"sync/max_abs_logprob_diff": report.max_abs_logprob_diff,
                 "sync/token_mult_prob_error": report.token_mult_prob_error}
 

@@ -97,6 +97,7 @@ def range_errors(cfg: RunConfig) -> list[str]:
         ("trainer.steps", tr.steps, "[1, inf)"),
         ("trainer.save_every", tr.save_every, "[0, inf)"),
         ("trainer.verify_tolerance", tr.verify_tolerance, "(0, inf)"),
+        ("trainer.verify_mult_error", tr.verify_mult_error, "(1, inf)"),
         ("trainer.bucket_mib", tr.bucket_mib, "(0, inf)"),
         ("trainer.step_timeout_s", tr.step_timeout_s, "(0, inf)"),
         ("trainer.collective_timeout_s", tr.collective_timeout_s, "(0, inf)"),

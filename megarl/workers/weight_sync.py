@@ -67,6 +67,17 @@ class VerifyReport:
     tokens: int
 
 
+def sync_check_bounds(dtypes: tuple[str, ...], tolerance: float | None, mult_error: float) -> tuple[float, float]:
+    """(largest |log-prob difference|, largest token_mult_prob_error) a sync check accepts, for an
+    actor and rollout computing in ``dtypes``: an explicit ``tolerance`` alone; else 1e-3 in float32,
+    and with 16 bits on either side (where single tokens legitimately differ by tenths) the mean bound."""
+    if tolerance is not None:
+        return tolerance, math.inf
+    if all(d == "float32" for d in dtypes):
+        return 1e-3, math.inf
+    return math.inf, mult_error
+
+
 class WeightSync:
     def __init__(self, actor, model_key: str, engines: list, bucket_bytes: int = 256 * 2**20,
                  backend: str | None = None, timeout_s: float = 120.0, layout: DestinationLayout = VLLM_LAYOUT,
@@ -205,9 +216,11 @@ class WeightSync:
 
     # -- verification -------------------------------------------------------------------------
 
-    def verify(self, sequences: torch.Tensor, tolerance: float = 1e-3, report: SyncReport | None = None
-               ) -> VerifyReport:
-        """Scores ``sequences`` [b, s] with every engine and with the actor; raises above ``tolerance``."""
+    def verify(self, sequences: torch.Tensor, tolerance: float = 1e-3, report: SyncReport | None = None,
+               mult_error: float = math.inf) -> VerifyReport:
+        """Scores ``sequences`` [b, s] with every engine and with the actor; raises when a token's
+        log-probs differ by more than ``tolerance``, or their token_mult_prob_error is above
+        ``mult_error``."""
 
         actor = next(x for x in self.actor.run(megatron_model.token_logprobs, key=self.model_key,
                                                tokens=sequences) if x is not None)
@@ -219,13 +232,15 @@ class WeightSync:
             result = VerifyReport(float(diff.max()), float(torch.exp(diff).mean()), diff.numel())
             if worst is None or result.max_abs_logprob_diff > worst.max_abs_logprob_diff:
                 worst = result
-        if worst.max_abs_logprob_diff > tolerance or math.isnan(worst.max_abs_logprob_diff):
+        if (worst.max_abs_logprob_diff > tolerance or worst.token_mult_prob_error > mult_error
+                or math.isnan(worst.max_abs_logprob_diff)):
             culprit = ""
             if report is not None and report.checksum_mismatches:
                 culprit = f"; first differing shard: {report.checksum_mismatches[0]}"
             raise WeightSyncMismatch(f"after the weight sync vLLM's log-probabilities differ from the actor's by "
                                      f"up to {worst.max_abs_logprob_diff:.3g} (tolerance {tolerance:g}, "
-                                     f"token_mult_prob_error {worst.token_mult_prob_error:.4f}){culprit}")
+                                     f"token_mult_prob_error {worst.token_mult_prob_error:.4f}, limit {mult_error:g})"
+                                     f"{culprit}")
         return worst
 
     def close(self) -> None:
