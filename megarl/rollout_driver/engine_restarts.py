@@ -3,9 +3,11 @@
 The watchdog (``megarl.workers.watchdog``) reports an engine that died or stopped answering to
 ``EngineRestarts.on_fault`` before it would end the run. The fault is taken on when the run can go
 on (``decide``): the rollout service is told at once, and sends that engine's calls to the others
-(``megarl.rollout_driver.fleet``). At the next weight sync, with nothing generating, the driver
-stops the failed engine, starts a new one on the same placement bundle with the same settings,
-forms the weight-sync group anew with it, and the sync gives it the actor's current weights; its
+(``megarl.rollout_driver.fleet``). A thread stops the failed engine at once and starts a new one on
+the same placement bundle with the same settings, so that it loads while the others finish the
+step (on GPU an engine's start is a minute or more). At the next weight sync, with nothing
+generating, the driver waits for it to be up, forms the weight-sync group anew with it, and the
+sync gives it the actor's current weights; its
 log-probs are checked against the actor's (``trainer.verify_sync`` runs on every engine whatever its
 setting) before the service hands it any work. So a replaced engine never serves weights other than
 the version every engine holds.
@@ -16,7 +18,7 @@ for that batch or for a drain): its calls wait in the service and are asked of t
 once it holds the actor's weights and is checked. That needs ``trainer.max_staleness: 0``, where
 the actor's weights are the engines' version whenever the driver waits on generation.
 
-Colocated, the driver starts a replacement where it fits the device's hand-over order
+Colocated, the driver starts a replacement (at the sync, not early) where it fits the device's hand-over order
 (``megarl.trainer.colocation``: every role off the device as it starts, then it sleeps like the
 others and the actor comes back for the sync), whether at a weight sync or at once. On GPU this is
 the same code path; only the CPU one is tested.
@@ -81,6 +83,10 @@ class Fault:
     at: float  # time.monotonic() when the watchdog saw it
     decision: Decision
     nth: int = 0  # which restart of the run (a restart's)
+    # a restart started at once: the thread that stops the failed engine and starts the new one
+    starting: threading.Thread | None = None
+    replacement: Any = None  # its handle, once started
+    start_error: str = ""  # why that thread could not start it
 
 
 def engine_table(engines: list, timeout_s: float) -> list[dict]:
@@ -107,6 +113,9 @@ class EngineRestarts:
         self._why_not = unsupported(cfg)
         # with no engine left, a replacement starts at once (while the driver waits on generation)
         self.replaces_now = cfg.trainer.max_staleness == 0
+        # Disaggregated, a replacement starts as soon as its fault is taken on; colocated it waits
+        # for its place in the device's hand-over order.
+        self.starts_early = cfg.rollout.colocate_with is None
         self._lock = threading.Lock()
         self._in_sync = False  # a weight sync runs (Run.sync_weights): a fault then ends the run
 
@@ -148,9 +157,14 @@ class EngineRestarts:
                 fault.nth = self.restarts
             self.failed[index] = fault
         self.rollout.engine_failed(index)
+        if decision == "restart" and self.starts_early:
+            fault.starting = threading.Thread(target=self._start_early, args=(fault, actor), daemon=True,
+                                              name=f"megarl-replace-engine-{index}")
+            fault.starting.start()
         then = (f"its work waits for a replacement, started now (restart {fault.nth} of {r.max_engine_restarts})"
                 if decision == "restart" and live_after < 1 else
-                f"its work goes to the other engines and a replacement starts at the next weight sync "
+                f"its work goes to the other engines and a replacement starts "
+                f"{'now, to serve' if self.starts_early else ''} at the next weight sync "
                 f"(restart {fault.nth} of {r.max_engine_restarts})" if decision == "restart" else
                 f"no restarts left (rollout.max_engine_restarts={r.max_engine_restarts}): the run goes on "
                 f"with {live_after} engine{'s' if live_after > 1 else ''}")
@@ -180,13 +194,20 @@ class EngineRestarts:
         sync.engines = [e for i, e in enumerate(self.engines) if i not in {f.index for f in faults}]
         sync.close()
         for fault in faults:
-            self._stop(self.engines[fault.index])
+            if fault.starting is None:
+                self._stop(self.engines[fault.index])
         restarts = [f for f in faults if f.decision == "restart"]
         started = []
         for fault in restarts:
-            time.sleep(max(0.0, fault.at + backoff_s(fault.nth) - time.monotonic()))
-            self.engines[fault.index] = self.start_engine(fault.index)
-            started.append(self.engines[fault.index])
+            if fault.starting is None:
+                self._start_replacement(fault, None)
+            else:  # started when its fault was taken on: stopping the old one is at most 10 s
+                fault.starting.join(timeout=timeout_s + _BACKOFF_CAP_S)
+                if fault.replacement is None:
+                    raise RuntimeError(f"rollout engine {fault.index}'s replacement did not start: "
+                                       f"{fault.start_error or f'not within {timeout_s + _BACKOFF_CAP_S:.0f} s'}")
+            self.engines[fault.index] = fault.replacement
+            started.append(fault.replacement)
         drops = [f.index for f in faults if f.decision == "drop"]
         for index in reversed(drops):  # the service's list and this one lose the same entries
             del self.engines[index]  # the evaluator's and colocation's list too: it is theirs
@@ -227,6 +248,21 @@ class EngineRestarts:
         counters = self.rollout.fleet_counters()
         return metrics | {"fleet/redispatched": float(counters["redispatched"]),
                           "fleet/stragglers": float(counters["stragglers"])}
+
+    def _start_replacement(self, fault: Fault, failed: Any) -> None:
+        """Stops ``failed`` (the engine that faulted, when not stopped yet), then, after its backoff,
+        starts the new engine on its bundle (Ray returns the handle at once; it loads meanwhile)."""
+        if failed is not None:
+            self._stop(failed)  # its placement bundle is free for the new one
+        time.sleep(max(0.0, fault.at + backoff_s(fault.nth) - time.monotonic()))
+        fault.replacement = self.start_engine(fault.index)
+
+    def _start_early(self, fault: Fault, failed: Any) -> None:
+        """``_start_replacement`` on its own thread: a failure is the sync's to report."""
+        try:
+            self._start_replacement(fault, failed)
+        except Exception as error:  # noqa: BLE001 - reported at the sync, with the engine named
+            fault.start_error = f"{type(error).__name__}: {error}"
 
     def _stop(self, engine: Any) -> None:
         """A failed engine's processes killed, then its actor (it may be blocked in a call)."""
