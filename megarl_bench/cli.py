@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed syncs (median reported)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-baseline", action="store_true", help="skip the full-tensor baseline")
+    p.add_argument("--cpu-gemm", default="onednn", choices=["onednn", "torch"],
+                   help="rollout.cpu_gemm of the engine (CPU): onednn (default) packs each weight again after "
+                        "a sync; torch computes with F.linear on the weight as received")
     p.add_argument("--delta-lr", type=float, default=None,
                    help="after the timed syncs, one real optimizer step at this lr: the fraction of bf16 elements "
                         "it changed and what a changed-elements-only sync would send against the whole shard")
@@ -65,7 +68,8 @@ def run_refit_cmd(args: argparse.Namespace) -> int:
     refit = RefitArgs(model=args.model, train_tp=args.train_tp, train_pp=args.train_pp, train_ep=args.train_ep,
                       train_etp=args.train_etp, rollout_tp=args.rollout_tp,
                       bucket_mib=args.bucket_mb, repeats=args.repeats, dtype=args.dtype,
-                      baseline=not args.no_baseline, delta_lr=getattr(args, "delta_lr", None))
+                      baseline=not args.no_baseline, delta_lr=getattr(args, "delta_lr", None),
+                      cpu_gemm=getattr(args, "cpu_gemm", "onednn"))
     progress = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     result = run_refit(refit, progress=progress)
     print(dumps(result) if args.json else format_table(result), flush=True)

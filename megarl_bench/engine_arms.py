@@ -44,7 +44,7 @@ def alternate_on_one_engine(cfg: Any, items: list, sampling: Any, arms: dict[str
         path = hf_folder(cfg.actor.model.path)
         sampling.stop_token_ids = [AutoTokenizer.from_pretrained(str(path)).eos_token_id]
         engine = start_engine(str(path), tp=r.tp, dtype=r.dtype, max_model_len=r.max_model_len,
-                              max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib)
+                              max_num_seqs=r.max_num_seqs, kv_cache_gib=r.kv_cache_gib, cpu_gemm=r.cpu_gemm)
         wait_ready([engine], timeout_s=cfg.trainer.step_timeout_s)
         figures: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
         for round_index in range(rounds + 1):

@@ -44,6 +44,7 @@ class RefitArgs:
     baseline: bool = True
     # real optimizer steps at this lr: what each changed in bf16, then a delta sync of them against a full one
     delta_lr: float | None = None
+    cpu_gemm: str = "onednn"  # rollout.cpu_gemm of the engine
 
 
 def _human(n: float) -> str:
@@ -126,7 +127,7 @@ def run_refit(args: RefitArgs, progress=print) -> dict[str, Any]:
     world = _parallel(args).ranks
     progress(f"starting vLLM (tp={args.rollout_tp}) and the actor ({world} rank(s))...")
     engine = start_engine(model, tp=args.rollout_tp, dtype=args.dtype, max_model_len=256, max_num_seqs=4,
-                          engine_class=ReferenceTransferEngine)
+                          engine_class=ReferenceTransferEngine, cpu_gemm=args.cpu_gemm)
     actor = WorkerGroup("actor", world)
     try:
         actor.run(megatron_model.load, key="actor", source=model, dtype=args.dtype,
@@ -223,7 +224,7 @@ def _result(args: RefitArgs, arch, plan, reports, raw, baseline) -> dict[str, An
         })
     senders = [w for w in last.worker_stats if "bytes_sent" in w]
     result = {
-        "model": args.model, "params": arch.num_parameters(), "dtype": args.dtype,
+        "model": args.model, "params": arch.num_parameters(), "dtype": args.dtype, "cpu_gemm": args.cpu_gemm,
         "train_tp": args.train_tp, "train_pp": args.train_pp, "train_ep": args.train_ep,
         "train_etp": args.train_etp, "rollout_tp": args.rollout_tp,
         "bucket_bytes": last.bucket_bytes, "repeats": args.repeats,
@@ -271,7 +272,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"megarl bench refit: {result['model']} ({result['params'] / 1e6:.1f}M params, {result['dtype']}), "
         f"actor tp={result['train_tp']} pp={result['train_pp']} ep={result['train_ep']}"
         f"{'' if result.get('train_etp') is None else ' etp=' + str(result['train_etp'])} -> "
-        f"vLLM tp={result['rollout_tp']}, "
+        f"vLLM tp={result['rollout_tp']} (cpu_gemm {result.get('cpu_gemm', 'onednn')}), "
         f"bucket {_human(result['bucket_bytes'])}, median of {result['repeats']}",
         f"{'rollout rank':>12} | {'received':>11} | {'its shard':>11} | {'received/shard':>14} | "
         f"{'receive s':>9} | {'repack s':>8} | {'peak mem/limit':>14}",

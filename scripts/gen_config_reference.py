@@ -115,8 +115,6 @@ NOTES: dict[tuple[str, str], str] = {
     ("AlgorithmConfig", "sapo_tau_neg"): "sapo: the soft gate's temperature for negative advantages (see "
                                          "sapo_tau_pos).",
     ("TrainerConfig", "steps"): "Training steps (one rollout batch and its update each).",
-    ("TrainerConfig", "verify_tolerance"): "The largest absolute log-prob difference between vLLM and the "
-                                           "actor that verify_sync accepts.",
     ("TrainerConfig", "bucket_mib"): "The weight sync's bucket size: the memory a rank adds while it sends "
                                      "or receives.",
     ("TrainerConfig", "tensorboard"): "Write TensorBoard logs under output_dir/tensorboard.",

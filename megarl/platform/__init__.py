@@ -193,13 +193,14 @@ class Platform:
         return {} if self.is_gpu else {"OMP_NUM_THREADS": str(max(1, cores // tp))}
 
     def prepare_vllm_process(self, kv_cache_gib: int, tp: int, cores: int, routing_replay: bool = False,
-                             inline_core: bool = False) -> None:
+                             inline_core: bool = False, cpu_gemm: str = "onednn") -> None:
         """Environment vLLM reads when an engine starts. ``inline_core``: the engine core in this
         process (``vllm_core_inline``). GPU, with routing replay: vLLM's V1 model
         runner, whose batch fields the route capture reads (``megarl.rollout.vllm_routes``; the V2
         runner, the default on CUDA, has none of them). CPU: a bounded KV cache, no thread pinning
         (TP workers on a small machine would fight over the same cores), and the engine's ``cores``
-        split over its TP workers (Ray sets OMP_NUM_THREADS to 1)."""
+        split over its TP workers (Ray sets OMP_NUM_THREADS to 1), and how its workers compute
+        float32 GEMMs (``cpu_gemm``, rollout.cpu_gemm: megarl.platform.vllm_cpu.plain_gemm)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline_core else "1"
         if self.is_gpu:
             # vLLM's engine core and workers are fresh processes: a forked one cannot initialise CUDA
@@ -219,6 +220,7 @@ class Platform:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // tp))
+        os.environ["MEGARL_VLLM_CPU_GEMM"] = cpu_gemm  # read by vLLM's workers, this process's or their own
 
     def vllm_memory_args(self, gpu_memory_utilization: float) -> dict:
         """vLLM engine arguments for the device's memory: a share of it and sleep mode on GPU."""

@@ -42,6 +42,7 @@ Llama-style models keep the kernel. (DeepSeek's YaRN rope has no CPU kernel: it 
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,23 @@ from typing import Any
 import torch
 
 _ORIGINAL: Callable | None = None
+
+
+CPU_GEMM_ENV = "MEGARL_VLLM_CPU_GEMM"  # rollout.cpu_gemm, as the engine hands it to vLLM's workers
+
+
+def plain_gemm(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (a linear layer's, in a vLLM-cpu worker) computes with torch's
+    ``F.linear`` as stored rather than vLLM's oneDNN copy packed for its kernel: float32 weights
+    under ``rollout.cpu_gemm=torch``. A plain weight takes a weight sync in place: nothing to pack
+    again, and no second copy of the weights in the engine (`megarl bench refit --model
+    bundled:SmolLM2-135M-Instruct --train-pp 3 --rollout-tp 3 --cpu-gemm torch`: sync 0.27 s
+    against 0.80-0.88 s packed, on a 2-core CPU). Not the default: the demo's rollout took
+    10-40% longer per step with F.linear (3-step runs, two pairs), though vLLM alone generated
+    as fast with either (32 and 64 sequences x 64 tokens, 2 threads; 1.4x slower on 1 thread)."""
+    if os.environ.get(CPU_GEMM_ENV, "onednn") != "torch":
+        return False
+    return weight.ndim == 2 and not weight.is_meta and weight.dtype == torch.float32
 
 
 def prepacked_weights_keep_loaders() -> None:
@@ -61,6 +79,9 @@ def prepacked_weights_keep_loaders() -> None:
 
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
         old = layer.weight
+        if plain_gemm(old):  # vLLM's own fallback (it uses it for MLA's kv_b_proj): nothing packed
+            layer.cpu_linear = torch.nn.functional.linear
+            return
         _ORIGINAL(layer, remove_weight)
         if layer.weight is not old:
             old.data = layer.weight.data  # the emptied storage; the packed kernel holds the values

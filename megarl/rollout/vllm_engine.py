@@ -59,10 +59,11 @@ class VLLMEngine(GroupServing, AgentHosting):
                  seed: int = 0, max_num_seqs: int = 64, kv_cache_gib: int = 1,
                  gpu_memory_utilization: float = 0.6, load_format: str = "auto", cpu_threads: int | None = None,
                  weights: str = "model", fp8_block: int | None = None, expert_parallel: bool = False,
-                 routing_replay: bool = False, engine_core: str = "auto"):
+                 routing_replay: bool = False, engine_core: str = "auto", cpu_gemm: str = "onednn"):
         platform = current_platform()
         inline_core = platform.vllm_core_inline(engine_core)  # rollout.engine_core
-        platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores(), routing_replay, inline_core)
+        platform.prepare_vllm_process(kv_cache_gib, tp, cpu_threads or usable_cores(), routing_replay, inline_core,
+                                      cpu_gemm)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 

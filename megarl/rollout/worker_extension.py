@@ -77,8 +77,11 @@ def _quantize_online_fp8(module: torch.nn.Module, weight: torch.Tensor) -> None:
 
 
 def _repacks(module: torch.nn.Module) -> bool:
+    """Whether vLLM prepares ``module``'s received weights again (``process_weights_after_loading``);
+    not one computing with ``F.linear`` on its weight as stored (``rollout.cpu_gemm``)."""
     method = getattr(module, "quant_method", None)
-    return method is not None and hasattr(method, "process_weights_after_loading")
+    return (method is not None and hasattr(method, "process_weights_after_loading")
+            and getattr(module, "cpu_linear", None) is not torch.nn.functional.linear)
 
 
 def _kernel_released(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -194,7 +194,7 @@ class Run:
                             load_format="dummy" if self.engines_start_blank else "auto",
                             weights=r.weights, fp8_block=r.fp8_block,
                             expert_parallel=r.expert_parallel, routing_replay=self.cfg.actor.moe.routing_replay,
-                            engine_core=r.engine_core,
+                            engine_core=r.engine_core, cpu_gemm=r.cpu_gemm,
                             placement_group=slot.placement_group, bundle_index=i, num_cpus=slot.cpus_per_rank,
                             num_gpus=slot.gpus_per_rank, cpu_threads=self._cpu_threads(slot))
 
