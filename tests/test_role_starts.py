@@ -61,19 +61,27 @@ def test_a_failed_start_stops_the_others_and_is_raised():
 
 def test_ctrl_c_ends_the_starts_still_waiting_and_stops_those_up():
     made = {}
+    # Ctrl-C as in a terminal, whatever the process running the test did with SIGINT (a pytest-xdist
+    # worker's handling of it once left this test waiting forever in the suite)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def start(name: str) -> Role:
         if name == "reference":  # a start that waits on its ranks, as WorkerGroup's does
-            while True:
+            deadline = time.monotonic() + 20  # fail, never hang, if the interruption is lost
+            while time.monotonic() < deadline:
                 RUN_ABORT.check()
                 time.sleep(0.01)
+            raise TimeoutError("the Ctrl-C never tripped the run abort")
         made[name] = Role(name)
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the caller waits
         return made[name]
 
     began = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        start_side_by_side(["actor", "reference"], start)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start_side_by_side(["actor", "reference"], start)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - began < 5
     assert made["actor"].stopped and RUN_ABORT.reason == "start-up interrupted"
     with pytest.raises(Aborted):

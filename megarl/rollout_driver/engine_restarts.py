@@ -164,7 +164,7 @@ class EngineRestarts:
         then = (f"its work waits for a replacement, started now (restart {fault.nth} of {r.max_engine_restarts})"
                 if decision == "restart" and live_after < 1 else
                 f"its work goes to the other engines and a replacement starts "
-                f"{'now, to serve' if self.starts_early else ''} at the next weight sync "
+                f"{'now, to serve ' if self.starts_early else ''}at the next weight sync "
                 f"(restart {fault.nth} of {r.max_engine_restarts})" if decision == "restart" else
                 f"no restarts left (rollout.max_engine_restarts={r.max_engine_restarts}): the run goes on "
                 f"with {live_after} engine{'s' if live_after > 1 else ''}")
