@@ -220,7 +220,9 @@ class Platform:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // tp))
-        os.environ["MEGARL_VLLM_CPU_GEMM"] = cpu_gemm  # read by vLLM's workers, this process's or their own
+        from megarl.platform.vllm_cpu import CPU_GEMM_ENV
+
+        os.environ[CPU_GEMM_ENV] = cpu_gemm  # read by vLLM's workers, this process's or their own
 
     def vllm_memory_args(self, gpu_memory_utilization: float) -> dict:
         """vLLM engine arguments for the device's memory: a share of it and sleep mode on GPU."""
