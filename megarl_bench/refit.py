@@ -189,7 +189,9 @@ def _delta(args: RefitArgs, arch, actor, sync, progress) -> dict[str, Any]:
     after_delta = ray.get(engine.prompt_logprobs.remote(tokens.tolist()))
     after = sync.verify(tokens, tolerance=float("inf"), report=changed)
     sync.delta = False
-    full = sync.sync()  # the same weights whole, as without delta_sync
+    # the same weights whole, as without delta_sync, checked as the delta was: the time ratio
+    # compares like with like (the checksums of what landed cost both syncs the same)
+    full = sync.sync(check=True)
     after_full = ray.get(engine.prompt_logprobs.remote(tokens.tolist()))
     progress(f"delta sync: {changed.changed_fraction:.1%} of the elements changed, "
              f"{sum(changed.received.values())} bytes against {sum(full.received.values())} whole")
@@ -200,7 +202,8 @@ def _delta(args: RefitArgs, arch, actor, sync, progress) -> dict[str, Any]:
             "bytes_ratio": sum(changed.received.values()) / sum(full.received.values()),
             "seconds": changed.seconds, "full_seconds": full.seconds, "time_ratio": changed.seconds / full.seconds,
             # where the delta sync's time went: the slowest actor rank's encoding and sending, the
-            # slowest engine worker's wait on the bytes and its re-packing (the same as a full sync's)
+            # slowest engine worker's wait on the bytes and its finalizing (re-packing and checksums,
+            # as in the checked full sync)
             "sender_seconds": max(w["seconds"] for w in changed.worker_stats if "bytes_sent" in w),
             "receiver_wait_seconds": max(w["wait_seconds"] for w in changed.worker_stats if "bytes_received" in w),
             "receiver_finalize_seconds": max(w["finalize_seconds"] for w in changed.worker_stats
@@ -306,7 +309,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"whole: bytes_ratio {d['bytes_ratio']:.3f}, time {d['seconds']:.3f} s against "
                      f"{d['full_seconds']:.3f} s: time_ratio {d['time_ratio']:.2f} (actor side "
                      f"{d['sender_seconds']:.3f} s; engine waiting {d['receiver_wait_seconds']:.3f} s, "
-                     f"re-packing {d['receiver_finalize_seconds']:.3f} s)")
+                     f"finalizing {d['receiver_finalize_seconds']:.3f} s)")
         lines.append(f"after the delta sync: {d['checksum_mismatches']} checksum mismatches, vLLM's log-probs "
                      f"{'the same as' if d['same_logprobs_as_full'] else 'DIFFERENT FROM'} after a full sync, "
                      f"vLLM vs actor log-prob gap {d['logprob_gap_after']:.3g} "

@@ -33,10 +33,17 @@ from megarl.workers.weight_sync import WeightSync
 
 
 @pytest.fixture(scope="module")
-def moe(ray_session, tmp_path_factory):
+def moe_model(tmp_path_factory) -> Path:
+    return build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("rollout") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def moe(ray_session, moe_model):
+    """The tiny Qwen3-MoE and its engines at vLLM TP 1 and 2. The tests that start engines of their
+    own come first in this module, before these two start: fewer processes share the cores."""
     from megarl.rollout.remote import start_engine, wait_ready
 
-    model = build_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("rollout") / "qwen3_moe")
+    model = moe_model
     # recording routes (R3) changes nothing for the weight-sync tests: prefix caching is off
     started = {tp: start_engine(str(model), tp=tp, max_model_len=256, max_num_seqs=8, routing_replay=True)
                for tp in (1, 2)}
@@ -48,19 +55,25 @@ def moe(ray_session, tmp_path_factory):
         ray.kill(engine)
 
 
-# every layout ran against both vLLM TPs once (all passed); the suite keeps one of each. etp=1:
-# attention split over tp=2, every expert whole on its rank, and vLLM at TP 2 splits each expert.
-# (tp = etp = 2 with routed experts is test_sync_of_a_shared_expert's layout.)
-@pytest.mark.parametrize("tp,ep,pp,etp,rollout_tp", [(1, 2, 1, None, 2), (1, 2, 2, None, 1), (2, 2, 1, 1, 2)])
-def test_sync_into_fused_experts(tp, ep, pp, etp, rollout_tp, actor4, moe):
-    model, engines_by_tp = moe
-    parallel = ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, world_size=4, sequence_parallel=tp > 1)
-    actor4.run(megatron_model.load, key="actor", source=str(model), parallel=parallel)
-    actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=ep + pp))
-    report, verified = _sync_and_verify(actor4, engines_by_tp[rollout_tp], random_tokens(batch=2, seq=32))
-    assert report.received == report.needed and report.bytes_ratio == 1.0
-    assert report.checksum_mismatches == []
-    assert verified.max_abs_logprob_diff <= TOL
+def test_bench_refit_moves_exactly_each_ranks_expert_bytes(moe_model, ray_session):
+    from megarl_bench.refit import RefitArgs, format_table, reference_bytes, run_refit
+
+    model = moe_model
+    # the actor at tp 2 with each expert whole (etp 1) over ep 2: two ranks
+    result = run_refit(RefitArgs(model=str(model), train_tp=2, train_ep=2, train_etp=1, rollout_tp=2, bucket_mib=0.25,
+                                 repeats=1), progress=lambda *a: None)
+    assert result["bytes_ratio"] == 1.0 and (result["train_ep"], result["train_etp"]) == (2, 1)
+    # both ranks send: each its half of every attention matrix and its two experts whole
+    assert sorted(a["rank"] for a in result["actor_memory"]) == [0, 1]
+    assert all(r["received_bytes"] == r["shard_bytes"] for r in result["ranks"])
+    # by hand for this model: 2 layers x 4 experts of gate/up/down [32, 64] (fp32); m2n sends
+    # each rank every expert whole, where its shard holds half of each
+    arch_bytes = reference_bytes(_arch(model), 2, 4)
+    shard = result["ranks"][0]["shard_bytes"]
+    experts_whole, experts_half = 2 * 4 * 3 * 32 * 64 * 4, 2 * 4 * 3 * 16 * 64 * 4
+    assert arch_bytes["m2n_fallback"][0] - shard >= experts_whole - experts_half
+    assert result["m2n_fallback_bytes_ratio"] > 1.0 and result["full_broadcast_bytes_ratio"] > 1.9
+    assert "nccl_m2n" in format_table(result)
 
 
 def test_sync_of_a_shared_expert(actor4, ray_session, tmp_path_factory):
@@ -85,7 +98,7 @@ def test_sync_of_a_shared_expert(actor4, ray_session, tmp_path_factory):
     assert verified.max_abs_logprob_diff <= TOL
 
 
-def test_sync_into_vllm_expert_parallel_layers(actor4, moe):
+def test_sync_into_vllm_expert_parallel_layers(actor4, moe_model):
     """vLLM with expert parallelism (TP 2, ``enable_expert_parallel``): each rank holds two of the
     four experts whole. The actor (ep 2, pp 2) sends each vLLM rank the blocks of its own experts
     only, under their global index, into the rank's local slots; the checksums of what landed
@@ -96,7 +109,7 @@ def test_sync_into_vllm_expert_parallel_layers(actor4, moe):
     from megarl.rollout.remote import start_engine, wait_ready
     from megarl.workers.weight_sync import WeightSync
 
-    model, _ = moe
+    model = moe_model
     engine = start_engine(str(model), tp=2, max_model_len=256, max_num_seqs=8, expert_parallel=True)
     try:
         wait_ready([engine])
@@ -133,25 +146,19 @@ def test_sync_into_vllm_expert_parallel_layers(actor4, moe):
         _local_block(("mlp.w13_weight", 0), {"mlp": layer})
 
 
-def test_bench_refit_moves_exactly_each_ranks_expert_bytes(moe):
-    from megarl_bench.refit import RefitArgs, format_table, reference_bytes, run_refit
-
-    model, _ = moe
-    # the actor at tp 2 with each expert whole (etp 1) over ep 2: two ranks
-    result = run_refit(RefitArgs(model=str(model), train_tp=2, train_ep=2, train_etp=1, rollout_tp=2, bucket_mib=0.25,
-                                 repeats=1), progress=lambda *a: None)
-    assert result["bytes_ratio"] == 1.0 and (result["train_ep"], result["train_etp"]) == (2, 1)
-    # both ranks send: each its half of every attention matrix and its two experts whole
-    assert sorted(a["rank"] for a in result["actor_memory"]) == [0, 1]
-    assert all(r["received_bytes"] == r["shard_bytes"] for r in result["ranks"])
-    # by hand for this model: 2 layers x 4 experts of gate/up/down [32, 64] (fp32); m2n sends
-    # each rank every expert whole, where its shard holds half of each
-    arch_bytes = reference_bytes(_arch(model), 2, 4)
-    shard = result["ranks"][0]["shard_bytes"]
-    experts_whole, experts_half = 2 * 4 * 3 * 32 * 64 * 4, 2 * 4 * 3 * 16 * 64 * 4
-    assert arch_bytes["m2n_fallback"][0] - shard >= experts_whole - experts_half
-    assert result["m2n_fallback_bytes_ratio"] > 1.0 and result["full_broadcast_bytes_ratio"] > 1.9
-    assert "nccl_m2n" in format_table(result)
+# every layout ran against both vLLM TPs once (all passed); the suite keeps one of each. etp=1:
+# attention split over tp=2, every expert whole on its rank, and vLLM at TP 2 splits each expert.
+# (tp = etp = 2 with routed experts is test_sync_of_a_shared_expert's layout.)
+@pytest.mark.parametrize("tp,ep,pp,etp,rollout_tp", [(1, 2, 1, None, 2), (1, 2, 2, None, 1), (2, 2, 1, 1, 2)])
+def test_sync_into_fused_experts(tp, ep, pp, etp, rollout_tp, actor4, moe):
+    model, engines_by_tp = moe
+    parallel = ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, world_size=4, sequence_parallel=tp > 1)
+    actor4.run(megatron_model.load, key="actor", source=str(model), parallel=parallel)
+    actor4.run(megatron_model.lm_train_step, key="actor", tokens=random_tokens(batch=4, seq=33, seed=ep + pp))
+    report, verified = _sync_and_verify(actor4, engines_by_tp[rollout_tp], random_tokens(batch=2, seq=32))
+    assert report.received == report.needed and report.bytes_ratio == 1.0
+    assert report.checksum_mismatches == []
+    assert verified.max_abs_logprob_diff <= TOL
 
 
 # -- rollout routing replay (R3) ------------------------------------------------------------------

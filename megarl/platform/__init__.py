@@ -200,7 +200,7 @@ class Platform:
         runner, the default on CUDA, has none of them). CPU: a bounded KV cache, no thread pinning
         (TP workers on a small machine would fight over the same cores), and the engine's ``cores``
         split over its TP workers (Ray sets OMP_NUM_THREADS to 1), and how its workers compute
-        float32 GEMMs (``cpu_gemm``, rollout.cpu_gemm: megarl.platform.vllm_cpu.plain_gemm)."""
+        float32 and bfloat16 GEMMs (``cpu_gemm``, rollout.cpu_gemm: megarl.platform.vllm_cpu.plain_gemm)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline_core else "1"
         if self.is_gpu:
             # vLLM's engine core and workers are fresh processes: a forked one cannot initialise CUDA

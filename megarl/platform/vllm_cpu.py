@@ -53,20 +53,24 @@ _ORIGINAL: Callable | None = None
 
 
 CPU_GEMM_ENV = "MEGARL_VLLM_CPU_GEMM"  # rollout.cpu_gemm, as the engine hands it to vLLM's workers
+PLAIN_DTYPES = (torch.float32, torch.bfloat16)  # what rollout.cpu_gemm=torch computes with F.linear
 
 
 def plain_gemm(weight: torch.Tensor) -> bool:
     """Whether ``weight`` (a linear layer's, in a vLLM-cpu worker) computes with torch's
-    ``F.linear`` as stored rather than vLLM's oneDNN copy packed for its kernel: float32 weights
-    under ``rollout.cpu_gemm=torch``. A plain weight takes a weight sync in place: nothing to pack
-    again, and no second copy of the weights in the engine (`megarl bench refit --model
-    bundled:SmolLM2-135M-Instruct --train-pp 3 --rollout-tp 3 --cpu-gemm torch`: sync 0.27 s
-    against 0.80-0.88 s packed, on a 2-core CPU). Not the default: the demo's rollout took
-    10-40% longer per step with F.linear (3-step runs, two pairs), though vLLM alone generated
-    as fast with either (32 and 64 sequences x 64 tokens, 2 threads; 1.4x slower on 1 thread)."""
+    ``F.linear`` as stored rather than vLLM's oneDNN copy packed for its kernel: float32 and
+    bfloat16 weights under ``rollout.cpu_gemm=torch``. A plain weight takes a weight sync (a delta
+    one too, megarl.reshard.delta) in place: nothing to pack again, and no second copy of the
+    weights in the engine. `megarl bench refit --model bundled:SmolLM2-135M-Instruct --train-pp 3
+    --rollout-tp 3 --cpu-gemm torch` on a 2-core CPU: float32, sync 0.27 s against 0.80-0.88 s
+    packed; bfloat16 (``--dtype bfloat16``, torch's bf16 GEMM on AVX512-BF16 / AMX), time_ratio
+    1.07-1.25 against 1.82 packed. Not the default: in float32 the demo's rollout took 10-40%
+    longer per step with F.linear (3-step runs, two pairs), though vLLM alone generated as fast
+    with either (32 and 64 sequences x 64 tokens, 2 threads; 1.4x slower on 1 thread); in
+    bfloat16 the demo's rollout took as long either way (6.2-6.7 s a step, 3-step runs)."""
     if os.environ.get(CPU_GEMM_ENV, "onednn") != "torch":
         return False
-    return weight.ndim == 2 and not weight.is_meta and weight.dtype == torch.float32
+    return weight.ndim == 2 and not weight.is_meta and weight.dtype in PLAIN_DTYPES
 
 
 def prepacked_weights_keep_loaders() -> None:
