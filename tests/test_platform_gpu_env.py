@@ -138,3 +138,33 @@ def test_the_engine_core_is_a_process_on_gpu_and_inline_on_cpu(env):
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     # the engine actor's threads from its first line on CPU (Ray would give it OMP_NUM_THREADS=1)
     assert cpu.vllm_actor_env(tp=1, cores=2) == {"OMP_NUM_THREADS": "2"} and CUDA.vllm_actor_env(1, 2) == {}
+
+
+def test_cpu_engines_run_vllms_compiled_helpers_as_written(env, monkeypatch):
+    """vLLM wraps its sampler's rank count (and a few other helpers) in torch.compile even with
+    enforce_eager; on CPU each engine process compiled them with inductor (about 3.5 s of CPU per
+    engine start). A CPU engine process runs them as written, its TP workers too (through the
+    environment); a GPU one keeps vLLM's compiled kernels."""
+    import torch._dynamo
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from megarl.platform.vllm_cpu import CPU_GEMM_ENV
+
+    for name in ("TORCHDYNAMO_DISABLE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS",
+                 CPU_GEMM_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    # (torch's config module loses an attribute that monkeypatch puts back: set it back by hand)
+    before, torch._dynamo.config.disable = torch._dynamo.config.disable, False
+    try:
+        CUDA.prepare_vllm_process(kv_cache_gib=1, tp=1, cores=2)
+        assert "TORCHDYNAMO_DISABLE" not in env and not torch._dynamo.config.disable
+        current_platform().prepare_vllm_process(kv_cache_gib=1, tp=2, cores=2)
+        assert env["TORCHDYNAMO_DISABLE"] == "1" and torch._dynamo.config.disable
+        traced = torch._dynamo.utils.counters["frames"]["total"]
+        x = torch.randn(3, 300)
+        values = x[:, 5:6]
+        assert batched_count_greater_than(x, values).tolist() == (x >= values).sum(-1).tolist()
+        assert torch._dynamo.utils.counters["frames"]["total"] == traced, "vLLM's helper was compiled"
+    finally:
+        torch._dynamo.config.disable = before
