@@ -100,6 +100,19 @@ def _ray():
 
 
 @contextlib.contextmanager
+def dynamo_disabled(disable: bool) -> Iterator[None]:
+    """torch._dynamo's process-wide switch set to ``disable`` for the block, then set back. (By hand:
+    torch's config module loses an attribute that monkeypatch puts back.)"""
+    import torch._dynamo
+
+    before, torch._dynamo.config.disable = torch._dynamo.config.disable, disable
+    try:
+        yield
+    finally:
+        torch._dynamo.config.disable = before
+
+
+@contextlib.contextmanager
 def _no_processes(nodeid: str):
     """Starting a process (subprocess, multiprocessing, fork, Ray) raises, naming the fixture to use."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from conftest import dynamo_disabled
 
 from megarl.utils.megatron_jit import deferred_compile
 
@@ -26,14 +27,9 @@ def test_a_deferred_function_compiles_once_at_its_first_call_with_its_options(mo
 
     assert made == [] and scaled.__name__ == "scaled"
     x = torch.arange(4.0)
-    # run as written (no compile time in the fast tier); set back by hand, as torch's config
-    # module loses an attribute that monkeypatch puts back
-    before, torch._dynamo.config.disable = torch._dynamo.config.disable, True
-    try:
+    with dynamo_disabled(True):  # run as written: no compile time in the fast tier
         assert scaled(x, 2.0).tolist() == [0.0, 2.0, 4.0, 6.0]
         assert scaled(x, 3.0).tolist() == [0.0, 3.0, 6.0, 9.0]
-    finally:
-        torch._dynamo.config.disable = before
     assert made == [("scaled", {"dynamic": True})]
 
 

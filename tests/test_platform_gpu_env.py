@@ -14,6 +14,7 @@ needed: these are the settings a bare H200 run showed to be required, containers
 from __future__ import annotations
 
 import pytest
+from conftest import dynamo_disabled
 
 from megarl.platform import Platform, current_platform
 
@@ -154,9 +155,7 @@ def test_cpu_engines_run_vllms_compiled_helpers_as_written(env, monkeypatch):
                  CPU_GEMM_ENV):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    # (torch's config module loses an attribute that monkeypatch puts back: set it back by hand)
-    before, torch._dynamo.config.disable = torch._dynamo.config.disable, False
-    try:
+    with dynamo_disabled(False):
         CUDA.prepare_vllm_process(kv_cache_gib=1, tp=1, cores=2)
         assert "TORCHDYNAMO_DISABLE" not in env and not torch._dynamo.config.disable
         current_platform().prepare_vllm_process(kv_cache_gib=1, tp=2, cores=2)
@@ -166,5 +165,3 @@ def test_cpu_engines_run_vllms_compiled_helpers_as_written(env, monkeypatch):
         values = x[:, 5:6]
         assert batched_count_greater_than(x, values).tolist() == (x >= values).sum(-1).tolist()
         assert torch._dynamo.utils.counters["frames"]["total"] == traced, "vLLM's helper was compiled"
-    finally:
-        torch._dynamo.config.disable = before

@@ -218,12 +218,12 @@ class Platform:
                 os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             return
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
-        run_vllm_helpers_eagerly()
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // tp))
-        from megarl.platform.vllm_cpu import CPU_GEMM_ENV
+        from megarl.platform.vllm_cpu import CPU_GEMM_ENV, run_vllm_helpers_eagerly
 
         os.environ[CPU_GEMM_ENV] = cpu_gemm  # read by vLLM's workers, this process's or their own
+        run_vllm_helpers_eagerly()
 
     def vllm_memory_args(self, gpu_memory_utilization: float) -> dict:
         """vLLM engine arguments for the device's memory: a share of it and sleep mode on GPU."""
@@ -315,17 +315,3 @@ def gpt_layer_spec(num_experts: int | None = None, qk_layernorm: bool = False, c
     attention = ContextParallelAttention if context_parallel else SDPAttention
     spec.submodules.self_attention.submodules.core_attention = attention
     return spec
-
-
-def run_vllm_helpers_eagerly() -> None:
-    """CPU: vLLM wraps a few small helpers in ``torch.compile`` even with ``enforce_eager`` (the
-    sampler's rank count for log-probs, ``batched_count_greater_than``; the TP embedding mask;
-    MoE routing helpers), and on CPU its backend is inductor: every engine process and TP worker
-    compiled them anew, C++ builds included, about 3.5 s of CPU per engine start (SmolLM2-135M:
-    first generation 3.3 s against 0.7 s, start 10.6 against 9.5 s) and again for each new batch
-    shape. Run as written they compute the same integers and masks. This process reads the
-    switch at each call; vLLM's TP workers, spawned or forked, read it from the environment."""
-    import torch._dynamo
-
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    torch._dynamo.config.disable = True
